@@ -1,0 +1,554 @@
+//! AMQP glue shared by the controller, the jobagent and the CLI (feature
+//! `amqp`): connect with a timeout and TLS, declare the topology, publish
+//! JSON with a publisher confirm.
+//!
+//! Every broker operation here is bounded by a timeout: an await that can
+//! wait forever on a half-dead connection is a bug.
+
+use std::time::Duration;
+
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+
+use crate::config::{redact_url, BrokerConfig};
+use crate::messages::{Message, SCHEMA_HEADER, SCHEMA_VERSION};
+use crate::topology::{ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS};
+
+/// `frame_max` added to URIs that do not set it, bytes. Without it lapin
+/// allocates 8 MiB of buffers per connection (DESIGN.md, "lapin memory").
+pub const DEFAULT_FRAME_MAX: u32 = 131_072;
+
+/// Errors of broker operations.
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    /// Connecting failed.
+    #[error("cannot connect to the broker at {url}")]
+    Connect {
+        /// Redacted URL.
+        url: String,
+        /// Cause.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The CA file could not be read.
+    #[error("cannot read broker CA file {path}")]
+    CaFile {
+        /// Path.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An operation did not finish in time.
+    #[error("broker operation {what} timed out after {secs} s")]
+    Timeout {
+        /// Which operation.
+        what: String,
+        /// Timeout, seconds.
+        secs: u64,
+    },
+    /// Declaring an exchange, queue or binding failed.
+    #[error("cannot declare {name}")]
+    Declare {
+        /// Exchange or queue name.
+        name: String,
+        /// Cause (for PRECONDITION_FAILED the broker's text names the
+        /// argument and both values).
+        #[source]
+        source: lapin::Error,
+    },
+    /// Another channel-level operation failed.
+    #[error("broker operation {what} failed")]
+    Op {
+        /// Which operation.
+        what: String,
+        /// Cause.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The broker refused (nacked) a published message.
+    #[error("broker refused message for exchange {exchange:?} routing key {routing_key:?}")]
+    Nacked {
+        /// Exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+    },
+    /// A mandatory message could not be routed to any queue.
+    #[error("no queue for exchange {exchange:?} routing key {routing_key:?} ({reply})")]
+    Unroutable {
+        /// Exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+        /// Broker's reply text, e.g. `NO_ROUTE`.
+        reply: String,
+    },
+}
+
+impl AmqpError {
+    /// Whether retrying later (after reconnecting) may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            AmqpError::Connect { .. } | AmqpError::Timeout { .. } | AmqpError::Nacked { .. } => {
+                true
+            }
+            AmqpError::Op { source, .. } => !is_access_refused(source),
+            AmqpError::Declare { source, .. } => {
+                !is_access_refused(source) && !is_precondition_failed(source)
+            }
+            AmqpError::CaFile { .. } | AmqpError::Unroutable { .. } => false,
+        }
+    }
+}
+
+fn reply_text(e: &lapin::Error) -> String {
+    e.to_string()
+}
+
+fn is_access_refused(e: &lapin::Error) -> bool {
+    reply_text(e).contains("ACCESS_REFUSED")
+}
+
+fn is_precondition_failed(e: &lapin::Error) -> bool {
+    reply_text(e).contains("PRECONDITION_FAILED")
+}
+
+/// Runs `fut` with a timeout, mapping expiry to [`AmqpError::Timeout`].
+pub async fn bounded<T>(
+    what: &str,
+    timeout: Duration,
+    fut: impl std::future::Future<Output = Result<T, AmqpError>>,
+) -> Result<T, AmqpError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(AmqpError::Timeout {
+            what: what.into(),
+            secs: timeout.as_secs(),
+        }),
+    }
+}
+
+/// Adds `frame_max` and `heartbeat` query parameters to `url` when absent.
+pub fn tuned_url(url: &str, heartbeat_secs: u16) -> String {
+    let mut out = url.to_string();
+    let mut sep = if url.contains('?') { '&' } else { '?' };
+    if !url.contains("frame_max=") {
+        out.push(sep);
+        out.push_str(&format!("frame_max={DEFAULT_FRAME_MAX}"));
+        sep = '&';
+    }
+    if !url.contains("heartbeat=") {
+        out.push(sep);
+        out.push_str(&format!("heartbeat={heartbeat_secs}"));
+    }
+    out
+}
+
+/// Opens a connection named `name` (shown in the management UI), bounded by
+/// `connect_timeout_secs`. Uses `ca_file` for amqps when set.
+///
+/// # Errors
+/// [`AmqpError::Connect`], [`AmqpError::Timeout`] or [`AmqpError::CaFile`].
+pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpError> {
+    let url = tuned_url(&cfg.url, cfg.heartbeat_secs);
+    let redacted = redact_url(&cfg.url);
+    let tls = match &cfg.ca_file {
+        Some(path) => OwnedTLSConfig {
+            identity: None,
+            cert_chain: Some(std::fs::read_to_string(path).map_err(|source| {
+                AmqpError::CaFile {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?),
+        },
+        None => OwnedTLSConfig::default(),
+    };
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    let timeout = Duration::from_secs(cfg.connect_timeout_secs);
+    bounded("connect", timeout, async {
+        let runtime = lapin::runtime::default_runtime().map_err(|source| AmqpError::Connect {
+            url: redacted.clone(),
+            source,
+        })?;
+        Connection::connect_with_config(&url, props, tls, runtime)
+            .await
+            .map_err(|source| AmqpError::Connect {
+                url: redacted.clone(),
+                source,
+            })
+    })
+    .await
+}
+
+/// Opens a channel with publisher confirms enabled.
+///
+/// # Errors
+/// [`AmqpError::Op`] or [`AmqpError::Timeout`] (10 s).
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel, AmqpError> {
+    bounded("open channel", Duration::from_secs(10), async {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(|source| AmqpError::Op {
+                what: "channel.open".into(),
+                source,
+            })?;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|source| AmqpError::Op {
+                what: "confirm.select".into(),
+                source,
+            })?;
+        Ok(ch)
+    })
+    .await
+}
+
+/// Converts queue arguments to an AMQP field table.
+pub fn field_table(args: &QueueArgs) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in args {
+        let value = match v {
+            ArgValue::Str(s) => AMQPValue::LongString(LongString::from(s.as_str())),
+            ArgValue::Int(i) => AMQPValue::LongLongInt(*i),
+            ArgValue::Bool(b) => AMQPValue::Boolean(*b),
+        };
+        t.insert(ShortString::from(*k), value);
+    }
+    t
+}
+
+const DECLARE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Declares a durable exchange.
+///
+/// # Errors
+/// [`AmqpError::Declare`] naming the exchange.
+pub async fn declare_exchange(
+    ch: &Channel,
+    name: &str,
+    kind: ExchangeKind,
+) -> Result<(), AmqpError> {
+    let kind = match kind {
+        ExchangeKind::Direct => lapin::ExchangeKind::Direct,
+        ExchangeKind::Topic => lapin::ExchangeKind::Topic,
+        ExchangeKind::Fanout => lapin::ExchangeKind::Fanout,
+    };
+    bounded(
+        &format!("declare exchange {name}"),
+        DECLARE_TIMEOUT,
+        async {
+            ch.exchange_declare(
+                name.into(),
+                kind,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| AmqpError::Declare {
+                name: name.into(),
+                source,
+            })
+        },
+    )
+    .await
+}
+
+/// Declares a durable queue with `args` and binds it to `exchange` with
+/// `routing_key`. A queue that exists with other arguments fails with
+/// PRECONDITION_FAILED, whose text names the argument and both values; the
+/// broker then closes `ch`.
+///
+/// # Errors
+/// [`AmqpError::Declare`] naming the queue.
+pub async fn declare_bound_queue(
+    ch: &Channel,
+    queue: &str,
+    args: &QueueArgs,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), AmqpError> {
+    bounded(&format!("declare queue {queue}"), DECLARE_TIMEOUT, async {
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            field_table(args),
+        )
+        .await
+        .map_err(|source| AmqpError::Declare {
+            name: queue.into(),
+            source,
+        })?;
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|source| AmqpError::Declare {
+            name: format!("binding {exchange} -> {queue} ({routing_key})"),
+            source,
+        })?;
+        Ok(())
+    })
+    .await
+}
+
+/// Declares the exchanges every component publishes to: jobs, dead, events,
+/// demand, control.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_exchanges(ch: &Channel, topo: &Topology) -> Result<(), AmqpError> {
+    declare_exchange(ch, &topo.jobs_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.dead_exchange(), ExchangeKind::Fanout).await?;
+    declare_exchange(ch, &topo.events_exchange(), ExchangeKind::Topic).await?;
+    declare_exchange(ch, &topo.demand_exchange(), ExchangeKind::Fanout).await?;
+    declare_exchange(ch, &topo.control_exchange(), ExchangeKind::Direct).await?;
+    Ok(())
+}
+
+/// Declares the whole shared topology: exchanges, the dead-letter queue, the
+/// job-event stream, the demand queue and the pool queues of `pools`.
+/// Idempotent.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_topology<'a>(
+    ch: &Channel,
+    topo: &Topology,
+    pools: impl IntoIterator<Item = &'a str>,
+) -> Result<(), AmqpError> {
+    declare_exchanges(ch, topo).await?;
+    declare_bound_queue(
+        ch,
+        &topo.dead_queue(),
+        &topo.dead_queue_args(),
+        &topo.dead_exchange(),
+        "",
+    )
+    .await?;
+    declare_bound_queue(
+        ch,
+        &topo.event_log_queue(),
+        &topo.event_log_args(),
+        &topo.events_exchange(),
+        ALL_JOB_EVENTS,
+    )
+    .await?;
+    declare_bound_queue(
+        ch,
+        &topo.demand_queue(),
+        &topo.demand_queue_args(),
+        &topo.demand_exchange(),
+        "",
+    )
+    .await?;
+    for pool in pools {
+        declare_pool_queue(ch, topo, pool).await?;
+    }
+    Ok(())
+}
+
+/// Declares the job queue of `pool` and binds it to the jobs exchange.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_pool_queue(
+    ch: &Channel,
+    topo: &Topology,
+    pool: &str,
+) -> Result<(), AmqpError> {
+    declare_bound_queue(
+        ch,
+        &topo.pool_queue(pool),
+        &topo.pool_queue_args(),
+        &topo.jobs_exchange(),
+        pool,
+    )
+    .await
+}
+
+/// Properties of a JSON message of type `M`: content type, schema header,
+/// persistent delivery mode, current timestamp.
+pub fn json_properties<M: Message>() -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(SCHEMA_HEADER.into(), AMQPValue::LongUInt(SCHEMA_VERSION));
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_type(M::KIND.into())
+        .with_timestamp(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        )
+        .with_headers(headers)
+}
+
+/// Publishes `body` with `props` and waits for the publisher confirm (the
+/// channel must be in confirm mode). With `mandatory`, an unroutable message
+/// is an error.
+///
+/// # Errors
+/// [`AmqpError::Nacked`], [`AmqpError::Unroutable`], [`AmqpError::Op`] or
+/// [`AmqpError::Timeout`] after `timeout`.
+pub async fn publish_confirmed(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+    mandatory: bool,
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    let what = format!("publish to {exchange:?} key {routing_key:?}");
+    let confirmation = bounded(&what, timeout, async {
+        let pending = ch
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory,
+                    ..Default::default()
+                },
+                body,
+                props,
+            )
+            .await
+            .map_err(|source| AmqpError::Op {
+                what: what.clone(),
+                source,
+            })?;
+        pending.await.map_err(|source| AmqpError::Op {
+            what: what.clone(),
+            source,
+        })
+    })
+    .await?;
+    match confirmation {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(returned)) => Err(AmqpError::Unroutable {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            reply: returned.reply_text.to_string(),
+        }),
+        Confirmation::Nack(_) => Err(AmqpError::Nacked {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+        }),
+    }
+}
+
+/// Publishes message `msg` as JSON (see [`json_properties`]) with a confirm.
+///
+/// # Errors
+/// As [`publish_confirmed`].
+pub async fn publish_message<M: Message>(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    msg: &M,
+    mandatory: bool,
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    publish_confirmed(
+        ch,
+        exchange,
+        routing_key,
+        &msg.encode(),
+        json_properties::<M>(),
+        mandatory,
+        timeout,
+    )
+    .await
+}
+
+/// Capped exponential backoff with full jitter, for reconnect loops.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    /// Backoff from `base` doubling up to `cap`.
+    ///
+    /// # Errors
+    /// A message if `base` is zero or greater than `cap`.
+    pub fn try_new(base: Duration, cap: Duration) -> Result<Self, String> {
+        if base.is_zero() || base > cap {
+            return Err(format!(
+                "backoff base {base:?} must be non-zero and at most cap {cap:?}"
+            ));
+        }
+        Ok(Backoff {
+            base,
+            cap,
+            attempt: 0,
+        })
+    }
+
+    /// Next delay: uniformly random in `[ceiling/2, ceiling]` where ceiling
+    /// is `min(cap, base * 2^attempt)`.
+    pub fn next_delay(&mut self) -> Duration {
+        let ceiling = self
+            .base
+            .saturating_mul(1u32 << self.attempt.min(20))
+            .min(self.cap);
+        self.attempt = self.attempt.saturating_add(1);
+        let half = ceiling / 2;
+        let jitter = rand::random_range(0..=half.as_millis().max(1) as u64);
+        half + Duration::from_millis(jitter)
+    }
+
+    /// Resets after a success.
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_get_frame_max_and_heartbeat_once() {
+        assert_eq!(
+            tuned_url("amqp://h/%2f", 15),
+            "amqp://h/%2f?frame_max=131072&heartbeat=15"
+        );
+        assert_eq!(
+            tuned_url("amqp://h/v?frame_max=4096", 5),
+            "amqp://h/v?frame_max=4096&heartbeat=5"
+        );
+    }
+
+    #[test]
+    fn backoff_stays_under_the_cap_and_resets() {
+        let mut b = Backoff::try_new(Duration::from_millis(100), Duration::from_secs(2)).unwrap();
+        for _ in 0..50 {
+            assert!(b.next_delay() <= Duration::from_secs(2));
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+        assert!(Backoff::try_new(Duration::ZERO, Duration::from_secs(1)).is_err());
+    }
+}

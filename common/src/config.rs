@@ -1,0 +1,721 @@
+//! Configuration of the jobagent and the controller: TOML files plus
+//! `VQ_*` environment overrides, parsed completely and then validated once so
+//! that an operator sees every problem in one run (exit code 64, `EX_USAGE`).
+//!
+//! Unknown keys are errors (a misspelt key must not silently fall back to a
+//! default). They are collected with `serde_ignored`, together with the
+//! problems found by `validate()`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+use crate::topology::{valid_name, DEFAULT_CLUSTER};
+
+/// Exit code for a bad configuration (`EX_USAGE` from sysexits.h).
+pub const EXIT_CONFIG: i32 = 64;
+
+/// Connection to RabbitMQ.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BrokerConfig {
+    /// AMQP URI, `amqp://user:password@host:5672/vhost` or `amqps://…`
+    /// (vhost `%2f` for `/`). A `frame_max` query parameter is added when
+    /// absent (131072 bytes) because lapin allocates 8 MiB buffers otherwise.
+    pub url: String,
+    /// PEM file with the CA certificate(s) that sign the broker's
+    /// certificate (amqps only); `None` uses the system roots.
+    pub ca_file: Option<PathBuf>,
+    /// Seconds to wait for one connection attempt.
+    pub connect_timeout_secs: u64,
+    /// Seconds to wait for a publisher confirm before the publish counts as
+    /// failed.
+    pub confirm_timeout_secs: u64,
+    /// AMQP heartbeat interval requested from the broker, seconds.
+    pub heartbeat_secs: u16,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            ca_file: None,
+            connect_timeout_secs: 10,
+            confirm_timeout_secs: 30,
+            heartbeat_secs: 15,
+        }
+    }
+}
+
+impl BrokerConfig {
+    fn problems(&self, prefix: &str, out: &mut Vec<String>) {
+        if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
+            out.push(format!(
+                "{prefix}.url: {:?} is not an amqp:// or amqps:// URI",
+                redact_url(&self.url)
+            ));
+        }
+        if self.connect_timeout_secs == 0 {
+            out.push(format!("{prefix}.connect_timeout_secs: must be at least 1"));
+        }
+        if self.confirm_timeout_secs == 0 {
+            out.push(format!("{prefix}.confirm_timeout_secs: must be at least 1"));
+        }
+        if let Some(ca) = &self.ca_file {
+            if !ca.is_file() {
+                out.push(format!(
+                    "{prefix}.ca_file: {} does not exist or is not a file",
+                    ca.display()
+                ));
+            }
+        }
+    }
+}
+
+/// Returns `url` with its password replaced by `***`, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some(parts) => parts,
+        None => return url.to_string(),
+    };
+    match auth.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// Which submitters may run jobs as which owners (checked by the agent
+/// against the broker-validated AMQP `user_id`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SubmitterRules {
+    /// Broker users that may submit jobs for any (non-root, allowed) owner:
+    /// bridges such as a Torque or HTCondor front end.
+    pub trusted: Vec<String>,
+    /// Whether a broker user may submit jobs for the Unix user of the same
+    /// name (the `vq submit` case).
+    pub same_name: bool,
+    /// Extra grants: broker user → owners it may submit for.
+    pub grants: BTreeMap<String, Vec<String>>,
+}
+
+impl Default for SubmitterRules {
+    fn default() -> Self {
+        SubmitterRules {
+            trusted: Vec::new(),
+            same_name: true,
+            grants: BTreeMap::new(),
+        }
+    }
+}
+
+impl SubmitterRules {
+    /// Whether `submitter` (a broker user) may submit a job that runs as
+    /// `owner`.
+    pub fn allows(&self, submitter: &str, owner: &str) -> bool {
+        (self.same_name && submitter == owner)
+            || self.trusted.iter().any(|t| t == submitter)
+            || self
+                .grants
+                .get(submitter)
+                .is_some_and(|owners| owners.iter().any(|o| o == owner))
+    }
+}
+
+/// Jobagent configuration (`/etc/vq/jobagent.toml`). Pool, agent id and
+/// broker URL usually come from the VM's identity file written by cloud-init
+/// from the user-data ([`AgentIdentity`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AgentConfig {
+    /// Cluster name (prefix of every AMQP name).
+    pub cluster: String,
+    /// Pool whose queue the agent consumes.
+    pub pool: String,
+    /// Agent id; empty means the host name.
+    pub agent_id: String,
+    /// Broker connection.
+    pub broker: BrokerConfig,
+    /// Jobs run at once (`basic.qos` prefetch = free slots).
+    pub slots: u32,
+    /// Lowest uid a job may run as (root is refused whatever this says).
+    pub min_uid: u32,
+    /// Owners that may never run jobs here (in addition to root).
+    pub deny_owners: Vec<String>,
+    /// If non-empty, only these owners may run jobs here.
+    pub allow_owners: Vec<String>,
+    /// Which submitters may submit for which owners.
+    pub submitters: SubmitterRules,
+    /// Seconds between heartbeats.
+    pub heartbeat_secs: f64,
+    /// Walltime of a job that gives none, seconds.
+    pub default_walltime_secs: u64,
+    /// Seconds between SIGTERM and SIGKILL when a job is stopped.
+    pub kill_grace_secs: u64,
+    /// Umask of a job that gives none (octal in TOML strings is not
+    /// supported; write 18 for 022).
+    pub default_umask: u32,
+    /// `PATH` given to jobs.
+    pub job_path: String,
+    /// Directory for the agent's own state (root-only).
+    pub state_dir: PathBuf,
+    /// Largest job script accepted, bytes.
+    pub max_script_bytes: usize,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            cluster: DEFAULT_CLUSTER.into(),
+            pool: String::new(),
+            agent_id: String::new(),
+            broker: BrokerConfig::default(),
+            slots: 1,
+            min_uid: 1000,
+            deny_owners: Vec::new(),
+            allow_owners: Vec::new(),
+            submitters: SubmitterRules::default(),
+            heartbeat_secs: 10.0,
+            default_walltime_secs: 24 * 3600,
+            kill_grace_secs: 10,
+            default_umask: 0o022,
+            job_path: "/usr/local/bin:/usr/bin:/bin".into(),
+            state_dir: PathBuf::from("/var/lib/vq"),
+            max_script_bytes: crate::messages::MAX_SCRIPT_BYTES,
+        }
+    }
+}
+
+impl AgentConfig {
+    /// Applies an identity file's values over this config.
+    pub fn apply_identity(&mut self, id: &AgentIdentity) {
+        if let Some(c) = &id.cluster {
+            self.cluster = c.clone();
+        }
+        self.pool = id.pool.clone();
+        self.agent_id = id.agent_id.clone();
+        if let Some(url) = &id.broker_url {
+            self.broker.url = url.clone();
+        }
+    }
+
+    /// Lists every problem with the values.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut p = Vec::new();
+        if !valid_name(&self.cluster) {
+            p.push(format!(
+                "cluster: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
+                self.cluster
+            ));
+        }
+        if self.pool.is_empty() {
+            p.push("pool: missing (set it in the config or the identity file)".into());
+        } else if !valid_name(&self.pool) {
+            p.push(format!(
+                "pool: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
+                self.pool
+            ));
+        }
+        if !self.agent_id.is_empty() && !valid_name(&self.agent_id) {
+            p.push(format!(
+                "agent_id: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
+                self.agent_id
+            ));
+        }
+        self.broker.problems("broker", &mut p);
+        if self.slots == 0 || self.slots > 1024 {
+            p.push(format!("slots: {} is out of range 1..=1024", self.slots));
+        }
+        if self.min_uid == 0 {
+            p.push("min_uid: 0 would allow jobs as root; use 1 or more".into());
+        }
+        if !(self.heartbeat_secs.is_finite()
+            && self.heartbeat_secs >= 0.1
+            && self.heartbeat_secs <= 3600.0)
+        {
+            p.push(format!(
+                "heartbeat_secs: {} is out of range 0.1..=3600",
+                self.heartbeat_secs
+            ));
+        }
+        if self.default_walltime_secs == 0 {
+            p.push("default_walltime_secs: must be at least 1".into());
+        }
+        if self.default_umask > 0o777 {
+            p.push(format!(
+                "default_umask: {:o} is not a umask (0..=0o777)",
+                self.default_umask
+            ));
+        }
+        if !self.state_dir.is_absolute() {
+            p.push(format!(
+                "state_dir: {} is not absolute",
+                self.state_dir.display()
+            ));
+        }
+        if self.job_path.is_empty() {
+            p.push("job_path: empty".into());
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(p)
+        }
+    }
+}
+
+/// What a VM learns about itself at boot (from the user-data's
+/// `/etc/vq/identity.toml`, written by cloud-init with mode 0600).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentIdentity {
+    /// Cluster name, if not the config's.
+    #[serde(default)]
+    pub cluster: Option<String>,
+    /// Pool of this VM.
+    pub pool: String,
+    /// Agent id (the server name).
+    pub agent_id: String,
+    /// Broker URL with the agent's credentials, if not the config's.
+    #[serde(default)]
+    pub broker_url: Option<String>,
+}
+
+/// One pool (VM type) managed by the controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PoolConfig {
+    /// Flavor name or id.
+    pub flavor: String,
+    /// Image name or id (names are resolved through Glance).
+    pub image: String,
+    /// Network id; `None` boots servers with `networks: "none"` (microversion
+    /// ≥ 2.37).
+    pub network: Option<String>,
+    /// Key pair name, if any.
+    pub key_name: Option<String>,
+    /// Security group names.
+    pub security_groups: Vec<String>,
+    /// Availability zone, if any.
+    pub availability_zone: Option<String>,
+    /// File with the user-data template; `None` uses the built-in cloud-init
+    /// template. Placeholders: `{{identity_toml}}`, `{{pool}}`,
+    /// `{{agent_id}}`, `{{cluster}}`, `{{broker_url}}`.
+    pub user_data_template: Option<PathBuf>,
+    /// Broker URL given to this pool's agents (with the agent account's
+    /// credentials).
+    pub agent_broker_url: String,
+    /// VMs kept even without demand.
+    pub min: u32,
+    /// VMs never exceeded.
+    pub max: u32,
+    /// Job slots per VM (the agent's `slots`).
+    pub slots: u32,
+    /// Seconds a server may take from create to its agent's first heartbeat.
+    pub boot_timeout_secs: u64,
+    /// Seconds an agent must be idle before it is asked to go.
+    pub idle_secs: u64,
+    /// Seconds after a scale-down before the next one (and after a failed
+    /// boot before the next boot).
+    pub cooldown_secs: u64,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            flavor: String::new(),
+            image: String::new(),
+            network: None,
+            key_name: None,
+            security_groups: Vec::new(),
+            availability_zone: None,
+            user_data_template: None,
+            agent_broker_url: String::new(),
+            min: 0,
+            max: 10,
+            slots: 1,
+            boot_timeout_secs: 600,
+            idle_secs: 300,
+            cooldown_secs: 30,
+        }
+    }
+}
+
+/// Where the controller gets OpenStack credentials: `clouds.yaml` (the
+/// usual search path or `clouds_yaml`) entry `cloud`, else the `OS_*`
+/// variables, as every OpenStack client does.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OpenStackSection {
+    /// Cloud name in clouds.yaml (like `OS_CLOUD`); `None` uses `OS_CLOUD`,
+    /// then the `OS_*` variables.
+    pub cloud: Option<String>,
+    /// Explicit clouds.yaml path (like `OS_CLIENT_CONFIG_FILE`).
+    pub clouds_yaml: Option<PathBuf>,
+    /// Compute API microversion to request; `None` means 2.52.
+    pub compute_microversion: Option<String>,
+}
+
+/// Controller configuration (`/etc/vq/controller.toml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ControllerConfig {
+    /// Cluster name (prefix of every AMQP name and of server names).
+    pub cluster: String,
+    /// Broker connection of the controller.
+    pub broker: BrokerConfig,
+    /// OpenStack credentials.
+    pub openstack: OpenStackSection,
+    /// Address of the HTTP status and `/metrics` endpoint.
+    pub listen: String,
+    /// Seconds between reconcile cycles.
+    pub interval_secs: f64,
+    /// Seconds without a heartbeat after which an agent counts as dead
+    /// (judged on the controller's monotonic clock).
+    pub heartbeat_timeout_secs: f64,
+    /// Pools by name.
+    pub pools: BTreeMap<String, PoolConfig>,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            cluster: DEFAULT_CLUSTER.into(),
+            broker: BrokerConfig::default(),
+            openstack: OpenStackSection::default(),
+            listen: "127.0.0.1:9180".into(),
+            interval_secs: 10.0,
+            heartbeat_timeout_secs: 60.0,
+            pools: BTreeMap::new(),
+        }
+    }
+}
+
+impl ControllerConfig {
+    /// Lists every problem with the values, including cross-field rules
+    /// (`min <= max`, pool names, required fields).
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut p = Vec::new();
+        if !valid_name(&self.cluster) {
+            p.push(format!(
+                "cluster: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
+                self.cluster
+            ));
+        }
+        self.broker.problems("broker", &mut p);
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            p.push(format!(
+                "listen: {:?} is not an address like 127.0.0.1:9180",
+                self.listen
+            ));
+        }
+        if !(self.interval_secs.is_finite() && self.interval_secs >= 0.1) {
+            p.push(format!(
+                "interval_secs: {} must be at least 0.1",
+                self.interval_secs
+            ));
+        }
+        if !(self.heartbeat_timeout_secs.is_finite() && self.heartbeat_timeout_secs >= 1.0) {
+            p.push(format!(
+                "heartbeat_timeout_secs: {} must be at least 1",
+                self.heartbeat_timeout_secs
+            ));
+        }
+        if self.pools.is_empty() {
+            p.push("pools: no pool configured (add a [pools.<name>] table)".into());
+        }
+        for (name, pool) in &self.pools {
+            let k = format!("pools.{name}");
+            if !valid_name(name) {
+                p.push(format!(
+                    "{k}: {name:?} is not a valid pool name (1-64 of a-z A-Z 0-9 _ -)"
+                ));
+            }
+            if pool.flavor.is_empty() {
+                p.push(format!("{k}.flavor: missing"));
+            }
+            if pool.image.is_empty() {
+                p.push(format!("{k}.image: missing"));
+            }
+            if pool.agent_broker_url.is_empty() {
+                p.push(format!(
+                    "{k}.agent_broker_url: missing (the broker URL the pool's agents use)"
+                ));
+            } else if !(pool.agent_broker_url.starts_with("amqp://")
+                || pool.agent_broker_url.starts_with("amqps://"))
+            {
+                p.push(format!(
+                    "{k}.agent_broker_url: {:?} is not an amqp:// or amqps:// URI",
+                    redact_url(&pool.agent_broker_url)
+                ));
+            }
+            if pool.min > pool.max {
+                p.push(format!(
+                    "{k}: min {} is greater than max {}",
+                    pool.min, pool.max
+                ));
+            }
+            if pool.slots == 0 || pool.slots > 1024 {
+                p.push(format!(
+                    "{k}.slots: {} is out of range 1..=1024",
+                    pool.slots
+                ));
+            }
+            if pool.boot_timeout_secs == 0 {
+                p.push(format!("{k}.boot_timeout_secs: must be at least 1"));
+            }
+            if let Some(t) = &pool.user_data_template {
+                if !t.is_file() {
+                    p.push(format!(
+                        "{k}.user_data_template: {} does not exist",
+                        t.display()
+                    ));
+                }
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(p)
+        }
+    }
+}
+
+/// Environment overrides: `VQ_<KEY>` for top-level keys and
+/// `VQ_<SECTION>__<KEY>` for nested ones (double underscore), e.g.
+/// `VQ_BROKER__URL`, `VQ_SLOTS`. Values are parsed as TOML values when they
+/// parse (numbers, booleans, arrays), else taken as strings.
+pub fn env_overrides(vars: impl IntoIterator<Item = (String, String)>) -> toml::Table {
+    let mut table = toml::Table::new();
+    for (k, v) in vars {
+        let Some(rest) = k.strip_prefix("VQ_") else {
+            continue;
+        };
+        let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+        if path.iter().any(|s| s.is_empty()) {
+            continue;
+        }
+        let value = parse_env_value(&v);
+        insert_path(&mut table, &path, value);
+    }
+    table
+}
+
+fn parse_env_value(v: &str) -> toml::Value {
+    let doc = format!("v = {v}");
+    match doc.parse::<toml::Table>() {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(v.into())),
+        Err(_) => toml::Value::String(v.into()),
+    }
+}
+
+fn insert_path(table: &mut toml::Table, path: &[String], value: toml::Value) {
+    match path {
+        [] => {}
+        [last] => {
+            table.insert(last.clone(), value);
+        }
+        [first, rest @ ..] => {
+            let entry = table
+                .entry(first.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            if !entry.is_table() {
+                *entry = toml::Value::Table(toml::Table::new());
+            }
+            if let toml::Value::Table(t) = entry {
+                insert_path(t, rest, value);
+            }
+        }
+    }
+}
+
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// A config type that can be loaded with [`load`].
+pub trait Validate {
+    /// Lists every problem with the values.
+    fn check(&self) -> Result<(), Vec<String>>;
+}
+
+impl Validate for AgentConfig {
+    fn check(&self) -> Result<(), Vec<String>> {
+        self.validate()
+    }
+}
+
+impl Validate for ControllerConfig {
+    fn check(&self) -> Result<(), Vec<String>> {
+        self.validate()
+    }
+}
+
+/// Parses TOML `text` (from `origin`, for messages) with `overrides` merged
+/// over it, reports every unknown key, then validates. Does no I/O.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] listing every unknown key, type error and value
+/// problem.
+pub fn parse<T: DeserializeOwned + Validate>(
+    origin: &str,
+    text: &str,
+    overrides: toml::Table,
+) -> Result<T, ConfigError> {
+    let mut table: toml::Table =
+        text.parse()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                origin: origin.into(),
+                problems: vec![e.to_string().trim().to_string()],
+            })?;
+    merge(&mut table, overrides);
+    let mut unknown = Vec::new();
+    let value = toml::Value::Table(table);
+    let parsed: Result<T, _> = serde_ignored::deserialize(value, |path| {
+        unknown.push(format!("{path}: unknown key"));
+    });
+    let cfg = match parsed {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            let mut problems = unknown;
+            problems.push(e.to_string().trim().to_string());
+            return Err(ConfigError::Invalid {
+                origin: origin.into(),
+                problems,
+            });
+        }
+    };
+    let mut problems = unknown;
+    if let Err(p) = cfg.check() {
+        problems.extend(p);
+    }
+    if problems.is_empty() {
+        Ok(cfg)
+    } else {
+        Err(ConfigError::Invalid {
+            origin: origin.into(),
+            problems,
+        })
+    }
+}
+
+/// Reads the TOML file at `path` (a missing file is an error), applies the
+/// process's `VQ_*` overrides and validates.
+///
+/// # Errors
+/// [`ConfigError::Read`] if the file cannot be read, else as [`parse`].
+pub fn load<T: DeserializeOwned + Validate>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(
+        &path.display().to_string(),
+        &text,
+        env_overrides(std::env::vars()),
+    )
+}
+
+/// Reads an identity file (`/etc/vq/identity.toml`).
+///
+/// # Errors
+/// [`ConfigError::Read`] or [`ConfigError::Invalid`].
+pub fn load_identity(path: &Path) -> Result<AgentIdentity, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Invalid {
+        origin: path.display().to_string(),
+        problems: vec![e.to_string().trim().to_string()],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_problem_is_listed_at_once() {
+        let err = parse::<ControllerConfig>(
+            "test",
+            r#"
+            cluster = "a.b"
+            listen = "nowhere"
+            colour = "blue"
+            [pools.cms]
+            flavor = "m1.small"
+            min = 5
+            max = 2
+            slotz = 3
+            "#,
+            toml::Table::new(),
+        )
+        .unwrap_err();
+        let ConfigError::Invalid { problems, .. } = err else {
+            panic!()
+        };
+        let all = problems.join("\n");
+        for needle in [
+            "colour: unknown",
+            "pools.cms.slotz: unknown",
+            "cluster:",
+            "listen:",
+            "pools.cms.image: missing",
+            "min 5 is greater than max 2",
+            "agent_broker_url: missing",
+        ] {
+            assert!(all.contains(needle), "{needle} not in:\n{all}");
+        }
+    }
+
+    #[test]
+    fn env_overrides_reach_nested_keys() {
+        let over = env_overrides([
+            ("VQ_BROKER__URL".to_string(), "amqp://x:y@h:1/v".to_string()),
+            ("VQ_SLOTS".to_string(), "4".to_string()),
+            ("VQ_POOL".to_string(), "cms".to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+        ]);
+        let cfg: AgentConfig = parse("t", "", over).unwrap();
+        assert_eq!(cfg.broker.url, "amqp://x:y@h:1/v");
+        assert_eq!(cfg.slots, 4);
+        assert_eq!(cfg.pool, "cms");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("amqp://agent:s3cret@h:5672/%2f"),
+            "amqp://agent:***@h:5672/%2f"
+        );
+        assert_eq!(redact_url("amqp://h:5672"), "amqp://h:5672");
+    }
+
+    #[test]
+    fn submitter_rules() {
+        let mut r = SubmitterRules::default();
+        assert!(r.allows("alice", "alice"));
+        assert!(!r.allows("alice", "bob"));
+        r.trusted.push("bridge".into());
+        r.grants.insert("carol".into(), vec!["dave".into()]);
+        assert!(r.allows("bridge", "bob"));
+        assert!(r.allows("carol", "dave"));
+        assert!(!r.allows("carol", "erin"));
+    }
+}

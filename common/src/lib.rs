@@ -1,0 +1,24 @@
+//! `vq-common`: what the vq controller, the jobagent, the `vq` CLI and
+//! bridges share.
+//!
+//! * [`messages`]: versioned JSON wire types (job, job event, heartbeat,
+//!   demand, control, delete answer) and their JSON Schemas;
+//! * [`topology`]: exchange, queue and routing-key names and queue arguments;
+//! * [`config`]: config structs, `VQ_*` overrides and `validate()`;
+//! * [`pbs`]: `#PBS` directive and walltime parsing;
+//! * `amqp` (feature `amqp`): connect, declare, publish with a confirm.
+//!
+//! Everything but `amqp` is pure: no I/O beyond reading a named config file.
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod error;
+pub mod messages;
+pub mod pbs;
+pub mod topology;
+
+#[cfg(feature = "amqp")]
+pub mod amqp;
+
+pub use error::ConfigError;

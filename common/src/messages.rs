@@ -1,0 +1,558 @@
+//! Wire messages exchanged over RabbitMQ.
+//!
+//! Every message is JSON (`content_type = application/json`) and carries its
+//! schema version twice: in the body field `schema` and in the AMQP header
+//! [`SCHEMA_HEADER`]. Readers accept unknown fields so that newer writers can
+//! add optional fields without breaking older readers; a change that older
+//! readers would misinterpret bumps [`SCHEMA_VERSION`].
+//!
+//! The field names follow the PBS job table of the IHEP design
+//! (`seeds/000_*`): `job_hashname`→[`Job::id`], `euser`→[`Job::owner`],
+//! `init_workdir`→[`Job::workdir`], `varlist`→[`Job::env`], and so on.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Version of every message schema in this module.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// AMQP header that carries the schema version (an unsigned integer).
+pub const SCHEMA_HEADER: &str = "x-vq-schema";
+
+/// AMQP header set on dead-lettered jobs: why the job could not run.
+pub const REASON_HEADER: &str = "x-vq-reason";
+
+/// AMQP header set on dead-lettered jobs: who dead-lettered it (agent id).
+pub const DEAD_BY_HEADER: &str = "x-vq-dead-by";
+
+/// Largest accepted job script, in bytes (1 MiB). Larger scripts belong in a
+/// shared file system; the script travels inside every copy of the message.
+pub const MAX_SCRIPT_BYTES: usize = 1024 * 1024;
+
+/// Largest accepted job message, in bytes (2 MiB: script plus environment).
+pub const MAX_JOB_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
+
+fn schema_version() -> u32 {
+    SCHEMA_VERSION
+}
+
+/// How stdout and stderr are joined, as PBS `-j`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Join {
+    /// `-j n`: separate files (the default).
+    #[default]
+    N,
+    /// `-j oe`: stderr is written into the stdout file.
+    Oe,
+    /// `-j eo`: stdout is written into the stderr file.
+    Eo,
+}
+
+/// A batch job: one message in the pool queue `<cluster>.jobs.<pool>`.
+///
+/// The AMQP `message_id` is [`Job::id`]; the AMQP `user_id` is set by the
+/// submitter and validated by the broker, and is the only submitter identity
+/// the jobagent trusts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Job {
+    /// Schema version of this message ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// Unique job id, e.g. `"1f0c2a9e-….vq"`; exported as `PBS_JOBID`.
+    pub id: String,
+    /// Job name (PBS `-N`), at most 236 characters; exported as `PBS_JOBNAME`.
+    pub name: String,
+    /// User the job runs as (PBS `euser`); must exist on the VM.
+    pub owner: String,
+    /// Group the job runs as (PBS `egroup`, `-W group_list`); `None` means the
+    /// owner's primary group.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// Pool (PBS queue, `-q`) the job was submitted to.
+    pub pool: String,
+    /// The job script, passed to the shell on stdin-free fd; at most
+    /// [`MAX_SCRIPT_BYTES`] bytes.
+    pub script: String,
+    /// Absolute path of the shell (PBS `-S`); `None` means the owner's login
+    /// shell.
+    #[serde(default)]
+    pub shell: Option<String>,
+    /// Absolute working directory (PBS `-d`, `init_workdir`); `None` means
+    /// the owner's home directory.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Job environment (PBS `-v`, and `-V` which copies the submit
+    /// environment); the agent adds the PBS set on top.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Absolute stdout path (PBS `-o`); `None` means
+    /// `<workdir>/<name>.o<seq>` as PBS does.
+    #[serde(default)]
+    pub stdout: Option<String>,
+    /// Absolute stderr path (PBS `-e`); `None` means `<workdir>/<name>.e<seq>`.
+    #[serde(default)]
+    pub stderr: Option<String>,
+    /// Join of stdout and stderr (PBS `-j`).
+    #[serde(default)]
+    pub join: Join,
+    /// Walltime limit in seconds (PBS `-l walltime=HH:MM:SS`); `None` means
+    /// the agent's `default_walltime`.
+    #[serde(default)]
+    pub walltime: Option<u64>,
+    /// Whether the job may be run again after a node loss (PBS `-r y|n`).
+    #[serde(default = "default_true")]
+    pub rerunnable: bool,
+    /// File mode creation mask (PBS `-W umask=`), e.g. `0o022`; `None` means
+    /// the agent's default.
+    #[serde(default)]
+    pub umask: Option<u32>,
+    /// Host the job was submitted from; exported as `PBS_O_HOST`.
+    #[serde(default)]
+    pub submit_host: String,
+    /// Submission time, Unix seconds.
+    #[serde(default)]
+    pub submitted_at: u64,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Job {
+    /// Short sequence token used in default output names (`name.o<seq>`):
+    /// the part of the id before the first `-` or `.`.
+    pub fn seq(&self) -> &str {
+        self.id
+            .split(['-', '.'])
+            .next()
+            .filter(|s| !s.is_empty())
+            .unwrap_or(&self.id)
+    }
+
+    /// Default stdout path under `workdir`, as PBS names it: `<name>.o<seq>`.
+    pub fn default_stdout(&self, workdir: &str) -> String {
+        format!(
+            "{}/{}.o{}",
+            workdir.trim_end_matches('/'),
+            self.name,
+            self.seq()
+        )
+    }
+
+    /// Default stderr path under `workdir`, as PBS names it: `<name>.e<seq>`.
+    pub fn default_stderr(&self, workdir: &str) -> String {
+        format!(
+            "{}/{}.e{}",
+            workdir.trim_end_matches('/'),
+            self.name,
+            self.seq()
+        )
+    }
+}
+
+/// Resource usage of a finished job, from `wait4`'s rusage.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct Usage {
+    /// Wall-clock run time, seconds (monotonic clock).
+    pub wall_secs: f64,
+    /// User CPU time, seconds.
+    pub user_cpu_secs: f64,
+    /// System CPU time, seconds.
+    pub system_cpu_secs: f64,
+    /// Peak resident set size, bytes.
+    pub max_rss_bytes: u64,
+}
+
+/// Why a job ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Outcome {
+    /// The job's shell exited with `code` (PBS `exit_status`).
+    Exited {
+        /// Exit code, 0–255.
+        code: i32,
+    },
+    /// The job's shell was killed by `signal`.
+    Signaled {
+        /// Signal number, e.g. 9.
+        signal: i32,
+    },
+    /// The walltime limit was reached and the job was killed.
+    Walltime,
+    /// The job was cancelled (`vq cancel`).
+    Cancelled,
+    /// The job wrote more than the agent's output limit and was killed.
+    OutputLimit,
+    /// The job could not be started (bad credentials, workdir, output path…).
+    FailedToStart {
+        /// Human-readable reason.
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// PBS-style exit status: the exit code, `256 + signal` for a signal
+    /// (Torque's convention), `-11` walltime, `-12` cancelled, `-13` output
+    /// limit, `-1` failed to start.
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            Outcome::Exited { code } => *code,
+            Outcome::Signaled { signal } => 256 + signal,
+            Outcome::Walltime => -11,
+            Outcome::Cancelled => -12,
+            Outcome::OutputLimit => -13,
+            Outcome::FailedToStart { .. } => -1,
+        }
+    }
+}
+
+/// What happened to a job; the body of a [`JobEvent`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum JobState {
+    /// The agent took the job and started it.
+    Started,
+    /// The job ran and ended; see `outcome`.
+    Finished {
+        /// Why it ended.
+        outcome: Outcome,
+        /// Resource usage.
+        usage: Usage,
+    },
+    /// The job could not run (rejected by validation, or node lost) and was
+    /// dead-lettered or dropped from its lease; `reason` says why.
+    Failed {
+        /// Human-readable reason, e.g. `owner "root" has uid 0 below min_uid 1000`.
+        reason: String,
+    },
+}
+
+impl JobState {
+    /// The last part of the routing key: `started`, `finished` or `failed`;
+    /// a finished job whose outcome is `cancelled` is `cancelled`.
+    pub fn routing_word(&self) -> &'static str {
+        match self {
+            JobState::Started => "started",
+            JobState::Finished {
+                outcome: Outcome::Cancelled,
+                ..
+            } => "cancelled",
+            JobState::Finished { .. } => "finished",
+            JobState::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// A job event, published on the events exchange with routing key
+/// `job.<pool>.<started|finished|failed|cancelled>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct JobEvent {
+    /// Schema version ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// Job id.
+    pub job_id: String,
+    /// Job name.
+    #[serde(default)]
+    pub job_name: String,
+    /// Job owner.
+    #[serde(default)]
+    pub owner: String,
+    /// Pool.
+    pub pool: String,
+    /// Agent that reports (PBS `mom_exec_host`); empty if no agent.
+    #[serde(default)]
+    pub agent: String,
+    /// When the event happened, Unix seconds (sender's clock; informative).
+    pub at: f64,
+    /// What happened.
+    #[serde(flatten)]
+    pub state: JobState,
+}
+
+/// State of an agent, as reported in its heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentState {
+    /// Pulling, no job running.
+    Idle,
+    /// Pulling or not, at least one job running.
+    Busy,
+    /// Not pulling, finishing running jobs.
+    Draining,
+    /// Not pulling, no job: may be deleted.
+    Drained,
+}
+
+/// An agent heartbeat, published every `heartbeat_secs` on the events
+/// exchange with routing key `agent.<pool>.heartbeat` (the seed's
+/// `last_heartbeat`, `isPull`, `isDel`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Heartbeat {
+    /// Schema version ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// Agent id (equals the server name the controller gave the VM).
+    pub agent: String,
+    /// Pool the agent serves.
+    pub pool: String,
+    /// Host name of the VM.
+    #[serde(default)]
+    pub host: String,
+    /// Overall state.
+    pub state: AgentState,
+    /// Job slots (`basic.qos` prefetch when idle).
+    pub slots: u32,
+    /// Ids of jobs running now.
+    #[serde(default)]
+    pub running: Vec<String>,
+    /// Whether the agent is consuming its pool queue (seed `isPull`).
+    pub is_pull: bool,
+    /// Whether the agent agreed to be deleted (seed `isDel`): it stopped
+    /// pulling and holds no job.
+    pub is_del: bool,
+    /// Seconds since the agent last ran a job (or since it started), measured
+    /// by the agent's monotonic clock.
+    pub idle_secs: f64,
+    /// Seconds between heartbeats.
+    pub interval_secs: f64,
+    /// Sender's wall-clock time, Unix seconds (informative only: receivers
+    /// judge liveness by their own monotonic receive time).
+    pub at: f64,
+    /// Agent software version.
+    #[serde(default)]
+    pub version: String,
+}
+
+/// Demand for a pool, published by bridges on the demand exchange
+/// (routing key = pool).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Demand {
+    /// Schema version ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// Pool.
+    pub pool: String,
+    /// Jobs waiting for a slot (held by the bridge, not yet in the pool queue).
+    pub queued: u64,
+    /// Jobs running.
+    pub running: u64,
+    /// When measured, Unix seconds.
+    pub at: f64,
+    /// Who measured, e.g. `torque-bridge@ce01`.
+    pub source: String,
+}
+
+/// A control message to one agent, published on the control exchange with
+/// routing key = agent id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum Control {
+    /// "May I delete you?" An idle agent stops pulling and answers yes; a busy
+    /// one answers no and keeps pulling.
+    AskDelete {
+        /// Correlates the [`DeleteAnswer`].
+        request_id: String,
+    },
+    /// Stop pulling, finish running jobs, then report `drained`.
+    Drain {
+        /// Correlation id (informative).
+        request_id: String,
+    },
+    /// Cancel a running job (SIGTERM, then SIGKILL after the grace period).
+    Cancel {
+        /// Job id.
+        job_id: String,
+    },
+}
+
+/// Answer to [`Control::AskDelete`], published on the events exchange with
+/// routing key `agent.<pool>.answer`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeleteAnswer {
+    /// Schema version ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// Agent id.
+    pub agent: String,
+    /// Pool.
+    pub pool: String,
+    /// The request this answers.
+    pub request_id: String,
+    /// `true`: the agent stopped pulling and holds no job (seed `isDel`).
+    pub may_delete: bool,
+    /// Jobs running when asked (non-empty exactly when `may_delete` is false
+    /// because of work).
+    #[serde(default)]
+    pub running: Vec<String>,
+    /// When answered, Unix seconds.
+    pub at: f64,
+}
+
+/// Current Unix time in seconds (wall clock), for the informative `at`
+/// fields.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Error decoding a message body.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The body is not valid JSON for the type.
+    #[error("malformed {kind} message")]
+    Malformed {
+        /// Which message type.
+        kind: &'static str,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The body declares a schema version this build does not know.
+    #[error(
+        "{kind} message has schema version {found}, this build understands up to {SCHEMA_VERSION}"
+    )]
+    UnknownVersion {
+        /// Which message type.
+        kind: &'static str,
+        /// The version found.
+        found: u32,
+    },
+    /// The job message is larger than [`MAX_JOB_MESSAGE_BYTES`].
+    #[error("{kind} message is {size} bytes, larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// Which message type.
+        kind: &'static str,
+        /// Body size, bytes.
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
+    },
+}
+
+/// A message type with a schema version.
+pub trait Message: Serialize + for<'de> Deserialize<'de> {
+    /// Name used in errors and schema file names, e.g. `job`.
+    const KIND: &'static str;
+    /// The body's schema version.
+    fn schema(&self) -> u32;
+
+    /// Decodes a body, checking size (jobs) and schema version.
+    fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        if body.len() > MAX_JOB_MESSAGE_BYTES {
+            return Err(DecodeError::TooLarge {
+                kind: Self::KIND,
+                size: body.len(),
+                limit: MAX_JOB_MESSAGE_BYTES,
+            });
+        }
+        let msg: Self = serde_json::from_slice(body).map_err(|source| DecodeError::Malformed {
+            kind: Self::KIND,
+            source,
+        })?;
+        if msg.schema() > SCHEMA_VERSION {
+            return Err(DecodeError::UnknownVersion {
+                kind: Self::KIND,
+                found: msg.schema(),
+            });
+        }
+        Ok(msg)
+    }
+
+    /// Encodes the body as JSON.
+    fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("message types serialize infallibly")
+    }
+}
+
+macro_rules! message {
+    ($t:ty, $kind:literal) => {
+        impl Message for $t {
+            const KIND: &'static str = $kind;
+            fn schema(&self) -> u32 {
+                self.schema
+            }
+        }
+    };
+}
+
+message!(Job, "job");
+message!(JobEvent, "job-event");
+message!(Heartbeat, "heartbeat");
+message!(Demand, "demand");
+message!(DeleteAnswer, "delete-answer");
+
+impl Message for Control {
+    const KIND: &'static str = "control";
+    fn schema(&self) -> u32 {
+        SCHEMA_VERSION
+    }
+}
+
+/// JSON Schemas of every message, as `(file name, pretty JSON)`, for
+/// `schemas/` (bridges in other languages are written from these).
+pub fn json_schemas() -> Vec<(&'static str, String)> {
+    fn one<T: JsonSchema>(name: &'static str) -> (&'static str, String) {
+        let schema = schemars::schema_for!(T);
+        (
+            name,
+            serde_json::to_string_pretty(&schema).expect("schema serializes") + "\n",
+        )
+    }
+    vec![
+        one::<Job>("job.schema.json"),
+        one::<JobEvent>("job-event.schema.json"),
+        one::<Heartbeat>("heartbeat.schema.json"),
+        one::<Demand>("demand.schema.json"),
+        one::<Control>("control.schema.json"),
+        one::<DeleteAnswer>("delete-answer.schema.json"),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_output_names_follow_pbs() {
+        let job: Job = serde_json::from_str(
+            r#"{"id":"42a-b","name":"sim","owner":"u","pool":"p","script":"true"}"#,
+        )
+        .unwrap();
+        assert_eq!(job.default_stdout("/home/u/"), "/home/u/sim.o42a");
+        assert_eq!(job.default_stderr("/w"), "/w/sim.e42a");
+        assert!(job.rerunnable, "PBS default is -r y");
+        assert_eq!(job.schema, SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn unknown_schema_version_is_refused() {
+        let err =
+            Job::decode(br#"{"schema":99,"id":"1","name":"n","owner":"u","pool":"p","script":""}"#)
+                .unwrap_err();
+        assert!(matches!(err, DecodeError::UnknownVersion { found: 99, .. }));
+    }
+
+    #[test]
+    fn unknown_fields_are_accepted() {
+        let job =
+            Job::decode(br#"{"id":"1","name":"n","owner":"u","pool":"p","script":"","future":1}"#)
+                .unwrap();
+        assert_eq!(job.id, "1");
+    }
+
+    #[test]
+    fn cancelled_outcome_routes_as_cancelled() {
+        let s = JobState::Finished {
+            outcome: Outcome::Cancelled,
+            usage: Usage::default(),
+        };
+        assert_eq!(s.routing_word(), "cancelled");
+        assert_eq!(Outcome::Signaled { signal: 9 }.exit_status(), 265);
+    }
+}

@@ -1,0 +1,1 @@
+//! `#PBS` directive parsing (to be written).

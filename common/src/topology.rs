@@ -1,0 +1,228 @@
+//! AMQP 0-9-1 topology: exchange, queue and routing-key names, and the
+//! arguments each queue is declared with.
+//!
+//! Every name is prefixed by the cluster name (default `vq`) so that several
+//! installations can share one broker. The layout (DESIGN.md, "Message
+//! topology"):
+//!
+//! | name | kind | use |
+//! |---|---|---|
+//! | `<c>.jobs` | direct exchange | jobs, routing key = pool |
+//! | `<c>.jobs.<pool>` | quorum queue | the pool's job queue (virtual job table) |
+//! | `<c>.dead` | fanout exchange | jobs that could not run |
+//! | `<c>.jobs.dead` | quorum queue | dead-lettered jobs, reason in headers |
+//! | `<c>.events` | topic exchange | `job.<pool>.<state>`, `agent.<pool>.<kind>` |
+//! | `<c>.events.log` | stream | retained job events for `vq stat` |
+//! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
+//! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
+//! | `<c>.control.<agent>` | exclusive queue | the agent's control inbox |
+
+use std::fmt;
+
+/// Default cluster name.
+pub const DEFAULT_CLUSTER: &str = "vq";
+
+/// Delivery limit of pool queues (quorum `x-delivery-limit`): a job
+/// redelivered more often is dead-lettered by the broker.
+pub const POOL_DELIVERY_LIMIT: i64 = 10;
+
+/// Retention of the job-event stream, as a RabbitMQ `x-max-age` value.
+pub const EVENT_LOG_MAX_AGE: &str = "7D";
+
+/// Size cap of the job-event stream, bytes (256 MiB).
+pub const EVENT_LOG_MAX_BYTES: i64 = 256 * 1024 * 1024;
+
+/// Time-to-live of demand messages, milliseconds (10 minutes): stale demand
+/// must not keep VMs alive.
+pub const DEMAND_TTL_MS: i64 = 600_000;
+
+/// A queue argument value (converted to an AMQP field value by `amqp`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArgValue {
+    /// A long string (`S`).
+    Str(String),
+    /// A signed 64-bit integer (`l`).
+    Int(i64),
+    /// A boolean (`t`).
+    Bool(bool),
+}
+
+impl fmt::Display for ArgValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArgValue::Str(s) => write!(f, "{s:?}"),
+            ArgValue::Int(i) => write!(f, "{i}"),
+            ArgValue::Bool(b) => write!(f, "{b}"),
+        }
+    }
+}
+
+/// Queue declaration arguments, in declaration order.
+pub type QueueArgs = Vec<(&'static str, ArgValue)>;
+
+/// Kind of an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeKind {
+    /// Routes on exact routing key.
+    Direct,
+    /// Routes on routing-key patterns.
+    Topic,
+    /// Routes to every bound queue.
+    Fanout,
+}
+
+/// Names of one installation's exchanges and queues.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    cluster: String,
+}
+
+impl Topology {
+    /// Topology for `cluster` (validated by the config layer with
+    /// [`valid_name`]).
+    pub fn new(cluster: impl Into<String>) -> Self {
+        Topology {
+            cluster: cluster.into(),
+        }
+    }
+
+    /// The cluster name.
+    pub fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    /// Direct exchange that routes jobs to pool queues (routing key = pool).
+    pub fn jobs_exchange(&self) -> String {
+        format!("{}.jobs", self.cluster)
+    }
+
+    /// The job queue of `pool`.
+    pub fn pool_queue(&self, pool: &str) -> String {
+        format!("{}.jobs.{pool}", self.cluster)
+    }
+
+    /// Arguments of every pool queue: a quorum queue that dead-letters to
+    /// [`Topology::dead_exchange`] after [`POOL_DELIVERY_LIMIT`] deliveries.
+    pub fn pool_queue_args(&self) -> QueueArgs {
+        vec![
+            ("x-queue-type", ArgValue::Str("quorum".into())),
+            ("x-delivery-limit", ArgValue::Int(POOL_DELIVERY_LIMIT)),
+            (
+                "x-dead-letter-exchange",
+                ArgValue::Str(self.dead_exchange()),
+            ),
+        ]
+    }
+
+    /// Fanout exchange for jobs that could not run.
+    pub fn dead_exchange(&self) -> String {
+        format!("{}.dead", self.cluster)
+    }
+
+    /// Queue holding dead-lettered jobs.
+    pub fn dead_queue(&self) -> String {
+        format!("{}.jobs.dead", self.cluster)
+    }
+
+    /// Arguments of the dead-letter queue (a quorum queue).
+    pub fn dead_queue_args(&self) -> QueueArgs {
+        vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
+
+    /// Topic exchange for job and agent events.
+    pub fn events_exchange(&self) -> String {
+        format!("{}.events", self.cluster)
+    }
+
+    /// Stream retaining job events (`job.#`) for `vq stat`.
+    pub fn event_log_queue(&self) -> String {
+        format!("{}.events.log", self.cluster)
+    }
+
+    /// Arguments of the event-log stream.
+    pub fn event_log_args(&self) -> QueueArgs {
+        vec![
+            ("x-queue-type", ArgValue::Str("stream".into())),
+            ("x-max-age", ArgValue::Str(EVENT_LOG_MAX_AGE.into())),
+            ("x-max-length-bytes", ArgValue::Int(EVENT_LOG_MAX_BYTES)),
+        ]
+    }
+
+    /// Fanout exchange for demand messages.
+    pub fn demand_exchange(&self) -> String {
+        format!("{}.demand", self.cluster)
+    }
+
+    /// Demand queue, consumed by the active controller.
+    pub fn demand_queue(&self) -> String {
+        format!("{}.demand", self.cluster)
+    }
+
+    /// Arguments of the demand queue: single active consumer, demand expires
+    /// after [`DEMAND_TTL_MS`].
+    pub fn demand_queue_args(&self) -> QueueArgs {
+        vec![
+            ("x-single-active-consumer", ArgValue::Bool(true)),
+            ("x-message-ttl", ArgValue::Int(DEMAND_TTL_MS)),
+        ]
+    }
+
+    /// Direct exchange for control messages (routing key = agent id).
+    pub fn control_exchange(&self) -> String {
+        format!("{}.control", self.cluster)
+    }
+
+    /// The exclusive control queue of `agent`.
+    pub fn control_queue(&self, agent: &str) -> String {
+        format!("{}.control.{agent}", self.cluster)
+    }
+}
+
+/// Routing key of a job event: `job.<pool>.<word>`.
+pub fn job_event_key(pool: &str, word: &str) -> String {
+    format!("job.{pool}.{word}")
+}
+
+/// Routing key of an agent event: `agent.<pool>.<word>` (`heartbeat`,
+/// `answer`, `drained`).
+pub fn agent_event_key(pool: &str, word: &str) -> String {
+    format!("agent.{pool}.{word}")
+}
+
+/// Binding pattern for all job events.
+pub const ALL_JOB_EVENTS: &str = "job.#";
+
+/// Binding pattern for all agent events.
+pub const ALL_AGENT_EVENTS: &str = "agent.#";
+
+/// Whether `name` is a valid cluster, pool or agent name: 1–64 characters of
+/// `a-z A-Z 0-9 _ -`. Dots are excluded because names are joined with dots
+/// into queue names and routing keys.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_prefixed_by_the_cluster() {
+        let t = Topology::new("farm1");
+        assert_eq!(t.pool_queue("cms"), "farm1.jobs.cms");
+        assert_eq!(t.control_queue("farm1-cms-1"), "farm1.control.farm1-cms-1");
+        assert_eq!(job_event_key("cms", "started"), "job.cms.started");
+    }
+
+    #[test]
+    fn names_with_dots_or_wildcards_are_invalid() {
+        assert!(valid_name("cms-long_1"));
+        for bad in ["", "a.b", "a#", "a*", "a b", &"x".repeat(65)] {
+            assert!(!valid_name(bad), "{bad:?}");
+        }
+    }
+}

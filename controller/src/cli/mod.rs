@@ -1,0 +1,1 @@
+//! `vq` CLI (being written).

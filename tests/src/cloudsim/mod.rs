@@ -1,0 +1,1 @@
+//! vq-cloudsim (being written).

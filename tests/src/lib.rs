@@ -1,0 +1,6 @@
+//! vq system tests: the harness that starts RabbitMQ-backed components as
+//! real processes, and `vq-cloudsim`, the embedded OpenStack-compatible test
+//! cloud.
+
+pub mod cloudsim;
+pub mod harness;
