@@ -1,0 +1,30 @@
+# vq: the two set-up commands of README.md, plus packaging helpers.
+#   make demo   - the demo on the embedded test cloud (root)
+#   make test   - every gate and test (root)
+SHELL := /bin/bash
+MUSL_AGENT := $(CURDIR)/target/x86_64-unknown-linux-musl/release-agent/jobagent
+
+.PHONY: demo test deps static-agent schemas
+
+deps:
+	@scripts/ensure-toolchain.sh
+	@scripts/ensure-rabbitmq.sh
+
+static-agent: deps
+	@scripts/build-static-agent.sh
+
+demo:
+	@scripts/require-root.sh demo
+	@scripts/demo.sh
+
+test:
+	@scripts/require-root.sh test
+	@$(MAKE) --no-print-directory static-agent
+	cargo fmt --all -- --check
+	cargo build --locked --workspace --bins
+	VQ_JOBAGENT_BIN=$(MUSL_AGENT) cargo test --locked --workspace --no-fail-fast -- --include-ignored
+	cargo clippy --locked --workspace --all-targets -- -D warnings
+
+# Regenerates schemas/*.json from the message types.
+schemas:
+	VQ_BLESS=1 cargo test -p vq-common --test wire

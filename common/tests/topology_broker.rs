@@ -1,0 +1,90 @@
+//! Declares the topology on the real RabbitMQ (`VQ_TEST_BROKER_URL`, default
+//! the local guest account) under a random cluster name.
+
+#![cfg(feature = "amqp")]
+
+use std::time::Duration;
+
+use vq_common::amqp::{self, AmqpError};
+use vq_common::config::BrokerConfig;
+use vq_common::messages::{Demand, Message};
+use vq_common::topology::{ArgValue, Topology};
+
+fn broker() -> BrokerConfig {
+    BrokerConfig {
+        url: std::env::var("VQ_TEST_BROKER_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        ..BrokerConfig::default()
+    }
+}
+
+fn cluster() -> String {
+    format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+#[tokio::test]
+async fn topology_is_declared_idempotently_and_routes_demand() {
+    let conn = amqp::connect(&broker(), "vq-common-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_topology(&ch, &topo, ["a", "b"]).await.unwrap();
+    amqp::declare_topology(&ch, &topo, ["a", "b"]).await.unwrap();
+
+    let demand = Demand {
+        schema: 1,
+        pool: "a".into(),
+        queued: 3,
+        running: 1,
+        at: 0.0,
+        source: "test".into(),
+    };
+    amqp::publish_message(&ch, &topo.demand_exchange(), "a", &demand, true, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let got = ch
+        .basic_get(topo.demand_queue().as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .expect("demand routed to the demand queue");
+    assert_eq!(Demand::decode(&got.delivery.data).unwrap(), demand);
+
+    // A job for a pool that does not exist is refused, not dropped.
+    let err = amqp::publish_confirmed(
+        &ch,
+        &topo.jobs_exchange(),
+        "nosuchpool",
+        b"{}",
+        Default::default(),
+        true,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, AmqpError::Unroutable { .. }), "{err}");
+
+    for q in [topo.pool_queue("a"), topo.pool_queue("b"), topo.dead_queue(), topo.event_log_queue(), topo.demand_queue()] {
+        ch.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+    }
+    conn.close(200, "done".into()).await.ok();
+}
+
+#[tokio::test]
+async fn a_queue_declared_with_other_arguments_names_the_argument() {
+    let conn = amqp::connect(&broker(), "vq-common-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_exchanges(&ch, &topo).await.unwrap();
+    let q = topo.pool_queue("x");
+    let classic = vec![("x-max-length", ArgValue::Int(5))];
+    amqp::declare_bound_queue(&ch, &q, &classic, &topo.jobs_exchange(), "x").await.unwrap();
+    let ch2 = amqp::confirm_channel(&conn).await.unwrap();
+    let err = amqp::declare_pool_queue(&ch2, &topo, "x").await.unwrap_err();
+    let text = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+    eprintln!("{text}");
+    assert!(text.contains(&q), "{text}");
+    assert!(text.contains("PRECONDITION_FAILED"), "{text}");
+    assert!(!err.is_transient());
+    let ch3 = amqp::confirm_channel(&conn).await.unwrap();
+    ch3.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+    conn.close(200, "done".into()).await.ok();
+}

@@ -1,0 +1,61 @@
+//! Golden round-trips of the wire fixtures in `fixtures/`, and the check that
+//! the published JSON Schemas in `schemas/` are up to date.
+//!
+//! Regenerate the schemas with `VQ_BLESS=1 cargo test -p vq-common --test wire`.
+
+use std::path::PathBuf;
+
+use vq_common::messages::{
+    json_schemas, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, Message,
+};
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn round_trip<M: Message>(name: &str) -> M {
+    let bytes = fixture(name);
+    let msg = M::decode(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let original: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    let again: serde_json::Value = serde_json::from_slice(&msg.encode()).unwrap();
+    assert_eq!(original, again, "{name} does not survive a round trip");
+    msg
+}
+
+#[test]
+fn every_fixture_survives_a_round_trip() {
+    let job: Job = round_trip("job.json");
+    assert_eq!(job.owner, "alice");
+    assert_eq!(job.walltime, Some(86_400));
+    round_trip::<JobEvent>("job-event-started.json");
+    let ev: JobEvent = round_trip("job-event-finished.json");
+    assert_eq!(ev.state.routing_word(), "finished");
+    round_trip::<JobEvent>("job-event-walltime.json");
+    round_trip::<JobEvent>("job-event-failed.json");
+    round_trip::<Heartbeat>("heartbeat.json");
+    round_trip::<Demand>("demand.json");
+    round_trip::<Control>("control-ask-delete.json");
+    round_trip::<Control>("control-cancel.json");
+    round_trip::<DeleteAnswer>("delete-answer.json");
+}
+
+#[test]
+fn published_json_schemas_are_up_to_date() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../schemas");
+    let bless = std::env::var_os("VQ_BLESS").is_some();
+    let mut stale = Vec::new();
+    for (name, text) in json_schemas() {
+        let path = dir.join(name);
+        if bless {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &text).unwrap();
+        } else if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+            stale.push(name);
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "schemas/ is stale for {stale:?}: run `VQ_BLESS=1 cargo test -p vq-common --test wire`"
+    );
+}
