@@ -1,0 +1,280 @@
+//! Error types of the controller, one enum per area (STYLE.md practice 3).
+//! Messages name the failed action; causes are `#[source]`; whether an error
+//! is worth retrying is a method, never a string match.
+
+use std::time::Duration;
+
+use vq_common::amqp::AmqpError;
+
+/// Errors talking to OpenStack (Keystone, Nova, Glance).
+#[derive(Debug, thiserror::Error)]
+pub enum CloudError {
+    /// The request could not be sent or its response not read (connection
+    /// refused, timeout, TLS).
+    #[error("OpenStack request {op} failed in transport")]
+    Transport {
+        /// What was attempted, e.g. `GET /servers/detail`.
+        op: String,
+        /// Cause.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The service answered with an error status.
+    #[error("OpenStack request {op} failed with HTTP {status}: {message}")]
+    Status {
+        /// What was attempted.
+        op: String,
+        /// HTTP status code.
+        status: u16,
+        /// The service's fault message (or the start of the body).
+        message: String,
+        /// `Retry-After` of the response, if any.
+        retry_after: Option<Duration>,
+    },
+    /// The response was not what the API documents.
+    #[error("OpenStack request {op} returned an unexpected response: {detail}")]
+    Decode {
+        /// What was attempted.
+        op: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The service catalog has no endpoint for a service we need.
+    #[error("no {service} endpoint with interface {interface} in region {region:?} in the Keystone catalog")]
+    NoEndpoint {
+        /// Service type (`compute`, `image`).
+        service: String,
+        /// Interface (`public`, `internal`, `admin`).
+        interface: String,
+        /// Region, if one was configured.
+        region: Option<String>,
+    },
+    /// A flavor or image name matched nothing (or several things).
+    #[error("cannot resolve {kind} {name:?}: {detail}")]
+    Resolve {
+        /// `flavor` or `image`.
+        kind: &'static str,
+        /// The configured name.
+        name: String,
+        /// What went wrong (none found, several found).
+        detail: String,
+    },
+}
+
+impl CloudError {
+    /// Whether retrying later may succeed: transport errors, 401 (after the
+    /// token was already renewed once), 409, 413, 429 and 5xx.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            CloudError::Transport { .. } => true,
+            CloudError::Status { status, .. } => {
+                matches!(status, 401 | 409 | 413 | 429) || (500..600).contains(status)
+            }
+            CloudError::Decode { .. } | CloudError::NoEndpoint { .. } | CloudError::Resolve { .. } => {
+                false
+            }
+        }
+    }
+
+    /// The delay the service asked for (`Retry-After`), if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            CloudError::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+
+    /// The HTTP status, if the service answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            CloudError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// Errors finding OpenStack credentials (clouds.yaml or `OS_*`).
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    /// A clouds.yaml file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A clouds.yaml file is not valid YAML of the expected shape.
+    #[error("cannot parse {path}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: serde_yaml_ng::Error,
+    },
+    /// A cloud name was given but no clouds.yaml defines it.
+    #[error("cloud {cloud:?} is not defined in any clouds.yaml (searched: {searched})")]
+    UnknownCloud {
+        /// The cloud name.
+        cloud: String,
+        /// Files searched, comma-separated.
+        searched: String,
+    },
+    /// Required values are missing.
+    #[error("incomplete OpenStack credentials from {origin}: {missing}")]
+    Incomplete {
+        /// `clouds.yaml cloud X` or `OS_* environment`.
+        origin: String,
+        /// What is missing.
+        missing: String,
+    },
+    /// The auth type is not one we implement.
+    #[error("unsupported auth_type {auth_type:?} (use password, v3password or v3applicationcredential)")]
+    AuthType {
+        /// The configured auth type.
+        auth_type: String,
+    },
+}
+
+/// Errors of observing a pool; any of them means "act on nothing this cycle".
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    /// The complete server list could not be read.
+    #[error("cannot list the cluster's servers")]
+    Servers(#[source] CloudError),
+    /// A pool queue's depth could not be read.
+    #[error("cannot read the depth of queue {queue}")]
+    QueueDepth {
+        /// Queue name.
+        queue: String,
+        /// Cause.
+        #[source]
+        source: AmqpError,
+    },
+    /// No broker connection.
+    #[error("no broker connection")]
+    Broker(#[source] AmqpError),
+}
+
+impl ObserveError {
+    /// Whether the next cycle may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ObserveError::Servers(e) => e.is_transient(),
+            ObserveError::QueueDepth { source, .. } | ObserveError::Broker(source) => {
+                source.is_transient()
+            }
+        }
+    }
+
+    /// The delay the service asked for, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ObserveError::Servers(e) => e.retry_after(),
+            _ => None,
+        }
+    }
+}
+
+/// Errors of carrying out a plan.
+#[derive(Debug, thiserror::Error)]
+pub enum ActError {
+    /// Creating a server failed.
+    #[error("cannot create server {name} in pool {pool}")]
+    Create {
+        /// Pool.
+        pool: String,
+        /// Server name.
+        name: String,
+        /// Cause.
+        #[source]
+        source: CloudError,
+    },
+    /// Deleting a server failed.
+    #[error("cannot delete server {name} ({id})")]
+    Delete {
+        /// Server id.
+        id: String,
+        /// Server name.
+        name: String,
+        /// Cause.
+        #[source]
+        source: CloudError,
+    },
+    /// Resolving the pool's flavor or image failed.
+    #[error("cannot resolve the flavor or image of pool {pool}")]
+    Resolve {
+        /// Pool.
+        pool: String,
+        /// Cause.
+        #[source]
+        source: CloudError,
+    },
+    /// Sending a control message failed.
+    #[error("cannot send {what} to agent {agent}")]
+    Control {
+        /// Message kind.
+        what: &'static str,
+        /// Agent id.
+        agent: String,
+        /// Cause.
+        #[source]
+        source: AmqpError,
+    },
+    /// The user-data template could not be read or rendered.
+    #[error("cannot render the user-data of pool {pool}")]
+    UserData {
+        /// Pool.
+        pool: String,
+        /// What went wrong.
+        detail: String,
+    },
+}
+
+impl ActError {
+    /// Whether retrying later may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ActError::Create { source, .. }
+            | ActError::Delete { source, .. }
+            | ActError::Resolve { source, .. } => source.is_transient(),
+            ActError::Control { source, .. } => source.is_transient(),
+            ActError::UserData { .. } => false,
+        }
+    }
+
+    /// The delay the service asked for, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ActError::Create { source, .. }
+            | ActError::Delete { source, .. }
+            | ActError::Resolve { source, .. } => source.retry_after(),
+            _ => None,
+        }
+    }
+}
+
+/// Errors that stop the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// OpenStack credentials are missing or invalid.
+    #[error("cannot set up the OpenStack client")]
+    Credentials(#[from] CredentialsError),
+    /// The HTTP client could not be built.
+    #[error("cannot build the HTTP client")]
+    HttpClient(#[source] reqwest::Error),
+    /// The status endpoint could not listen.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// Address.
+        addr: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backoff parameters are invalid.
+    #[error("invalid backoff")]
+    Backoff(#[from] crate::backoff::BackoffError),
+}
