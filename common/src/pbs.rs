@@ -1,1 +1,1139 @@
-//! `#PBS` directive parsing (to be written).
+//! `#PBS` directive and walltime parsing, with Torque's semantics, so that
+//! existing Torque/PBS job scripts run unchanged under `vq submit`.
+//!
+//! Pure: no I/O. Values that depend on the submit host (relative paths, `-v
+//! VAR` without a value) are returned as written and resolved by the CLI.
+//!
+//! Sources for the rules below: Torque 6 `qsub(1)` manual ("Script
+//! Processing", the option list and "Extended description"), and
+//! `pbs_resources(7)` for the `walltime` time format. Where Torque is
+//! ambiguous or vq cannot honour an option, the choice is documented on the
+//! item.
+//!
+//! Directive scanning (Torque `qsub`, "Script Processing"): directives are
+//! lines starting with `#PBS` (leading blanks allowed) in the leading block
+//! of comment and blank lines; scanning stops at the first line that is
+//! neither blank nor a comment. `#PBS` lines after that point are ignored
+//! (with a warning, since that is usually a mistake). Options are tokenised
+//! like a shell does (single and double quotes, backslash escapes); an
+//! unquoted word starting with `#` starts a trailing comment.
+
+use std::fmt;
+
+use crate::messages::Join;
+use crate::topology::valid_name;
+
+/// Longest accepted job name, in characters. Torque's server limit
+/// `PBS_MAXJOBNAME` is 236 (older PBS allowed 15; POSIX qsub says
+/// "at least 15").
+pub const MAX_JOB_NAME_LEN: usize = 236;
+
+/// Largest accepted walltime, seconds (100 years): larger values are
+/// certainly typos, and keeping them bounded keeps all arithmetic on them
+/// overflow-free.
+pub const MAX_WALLTIME_SECS: u64 = 100 * 365 * 24 * 3600;
+
+/// A problem in a walltime, a directive or a command-line option.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PbsError {
+    /// A `-l walltime=` value is not `[[[D:]HH:]MM:]SS[.frac]`.
+    #[error("invalid walltime {value:?}: {reason}")]
+    Walltime {
+        /// The value as written.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An option that vq (like Torque) does not know, or cannot honour.
+    #[error("unsupported option -{option}")]
+    UnknownOption {
+        /// The option letter (or text) as written, without the dash.
+        option: String,
+    },
+    /// An option that takes a value has none.
+    #[error("option -{option} needs a value")]
+    MissingValue {
+        /// The option letter.
+        option: char,
+    },
+    /// An option's value is invalid.
+    #[error("invalid value {value:?} for option -{option}: {reason}")]
+    InvalidValue {
+        /// The option letter.
+        option: char,
+        /// The value as written.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A word that is not an option where an option was expected.
+    #[error("unexpected argument {word:?} (expected an option such as -N)")]
+    UnexpectedArgument {
+        /// The word.
+        word: String,
+    },
+    /// A quote is not closed before the end of the line.
+    #[error("unterminated {quote} quote")]
+    UnterminatedQuote {
+        /// `'` or `"`.
+        quote: char,
+    },
+    /// A problem on one line of a script.
+    #[error("#PBS directive on line {line}")]
+    AtLine {
+        /// 1-based line number in the script.
+        line: usize,
+        /// The problem.
+        #[source]
+        source: Box<PbsError>,
+    },
+}
+
+impl PbsError {
+    fn at_line(self, line: usize) -> PbsError {
+        PbsError::AtLine {
+            line,
+            source: Box::new(self),
+        }
+    }
+
+    /// The script line the error is on, if it came from a script.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            PbsError::AtLine { line, .. } => Some(*line),
+            _ => None,
+        }
+    }
+
+    fn invalid(option: char, value: &str, reason: impl Into<String>) -> PbsError {
+        PbsError::InvalidValue {
+            option,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Something accepted but not (fully) honoured, e.g. `-m` mail options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    /// 1-based script line, `None` for a command-line option.
+    pub line: Option<usize>,
+    /// What was ignored and why.
+    pub message: String,
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "line {line}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// Value of a `-v` variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VarValue {
+    /// `-v VAR=value`.
+    Given(String),
+    /// `-v VAR`: take the value from the submit environment (resolved by the
+    /// CLI; a variable unset there is exported empty, as Torque does).
+    FromEnvironment,
+}
+
+/// A `-l` resource vq keeps but does not enforce (e.g. `nodes=1:ppn=4`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resource {
+    /// Resource name, e.g. `nodes`.
+    pub name: String,
+    /// Value as written (may be empty for a bare name).
+    pub value: String,
+}
+
+/// Job attributes from `#PBS` directives or `qsub`-style command-line
+/// options. `None` (or empty) means "not given": the CLI applies defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Directives {
+    /// `-N`: job name (validated with [`validate_job_name`]).
+    pub name: Option<String>,
+    /// `-q`: pool (queue); a `queue@server` destination keeps the queue.
+    pub queue: Option<String>,
+    /// `-o`: stdout path as written (relative to the submit directory).
+    pub stdout: Option<String>,
+    /// `-e`: stderr path as written.
+    pub stderr: Option<String>,
+    /// `-j`: join of stdout and stderr.
+    pub join: Option<Join>,
+    /// `-l walltime=`: walltime limit, seconds.
+    pub walltime: Option<u64>,
+    /// Other `-l` resources, in order (kept for information, not enforced).
+    pub resources: Vec<Resource>,
+    /// `-v`: variables in order; a later entry for the same name wins.
+    pub vars: Vec<(String, VarValue)>,
+    /// `-V`: export the whole submit environment.
+    pub export_all: bool,
+    /// `-d`: initial working directory as written.
+    pub workdir: Option<String>,
+    /// `-S`: absolute path of the shell.
+    pub shell: Option<String>,
+    /// `-r`: rerunnable.
+    pub rerunnable: Option<bool>,
+    /// `-W umask=`: file mode creation mask (at most `0o777`).
+    pub umask: Option<u32>,
+    /// `-W group_list=`: group the job runs as.
+    pub group: Option<String>,
+    /// Options accepted but ignored, and directives after the first command.
+    pub warnings: Vec<Warning>,
+}
+
+impl Directives {
+    /// Applies option `-<option>` with `value` (which must be `Some` for every
+    /// option but `-V`), as `qsub` does: scalar options replace earlier
+    /// values, list options (`-l`, `-v`, `-W`) accumulate. `line` is used only
+    /// for warnings.
+    ///
+    /// # Errors
+    /// [`PbsError::UnknownOption`], [`PbsError::MissingValue`] or
+    /// [`PbsError::InvalidValue`].
+    pub fn apply_option(
+        &mut self,
+        option: char,
+        value: Option<&str>,
+        line: Option<usize>,
+    ) -> Result<(), PbsError> {
+        if option == 'V' {
+            self.export_all = true;
+            return Ok(());
+        }
+        if !takes_value(option) {
+            return Err(PbsError::UnknownOption {
+                option: option.to_string(),
+            });
+        }
+        let value = value.ok_or(PbsError::MissingValue { option })?;
+        match option {
+            'N' => {
+                validate_job_name(value).map_err(|reason| PbsError::invalid('N', value, reason))?;
+                self.name = Some(value.to_string());
+            }
+            'q' => {
+                let (queue, server) = match value.split_once('@') {
+                    Some((q, s)) => (q, Some(s)),
+                    None => (value, None),
+                };
+                if !valid_name(queue) {
+                    return Err(PbsError::invalid(
+                        'q',
+                        value,
+                        "a pool name is 1-64 characters of a-z A-Z 0-9 _ -",
+                    ));
+                }
+                if let Some(server) = server {
+                    self.warn(
+                        line,
+                        format!("-q: server {server:?} ignored (vq submits to its own cluster)"),
+                    );
+                }
+                self.queue = Some(queue.to_string());
+            }
+            'o' => self.stdout = Some(self.output_path('o', value, line)?),
+            'e' => self.stderr = Some(self.output_path('e', value, line)?),
+            'j' => self.join = Some(parse_join(value)?),
+            'l' => self.apply_resources(value, line)?,
+            'v' => {
+                for var in parse_var_list(value)? {
+                    self.vars.push(var);
+                }
+            }
+            'd' => {
+                if value.is_empty() {
+                    return Err(PbsError::invalid('d', value, "empty directory"));
+                }
+                self.workdir = Some(value.to_string());
+            }
+            'S' => self.shell = Some(parse_shell_list(value)?),
+            'r' => {
+                self.rerunnable = Some(match value {
+                    "y" | "Y" => true,
+                    "n" | "N" => false,
+                    _ => return Err(PbsError::invalid('r', value, "expected y or n")),
+                })
+            }
+            'W' => self.apply_attributes(value, line)?,
+            'm' | 'M' => self.warn(line, format!("-{option}: ignored (vq sends no mail)")),
+            'A' => self.warn(line, "-A: ignored (vq keeps no accounts)".to_string()),
+            _ => unreachable!("takes_value lists exactly the options handled here"),
+        }
+        Ok(())
+    }
+
+    /// Returns `self` (from the script) overridden by `cli` (from the
+    /// command line): a scalar given on the command line wins (Torque: "the
+    /// command line takes precedence"); `-l` resources and `-v` variables are
+    /// merged with the command line's later, so it wins for the same name;
+    /// `-V` is set if either sets it; warnings are concatenated.
+    pub fn overridden_by(self, cli: Directives) -> Directives {
+        let mut resources = self.resources;
+        for r in cli.resources {
+            resources.retain(|old| old.name != r.name);
+            resources.push(r);
+        }
+        let mut vars = self.vars;
+        vars.extend(cli.vars);
+        let mut warnings = self.warnings;
+        warnings.extend(cli.warnings);
+        Directives {
+            name: cli.name.or(self.name),
+            queue: cli.queue.or(self.queue),
+            stdout: cli.stdout.or(self.stdout),
+            stderr: cli.stderr.or(self.stderr),
+            join: cli.join.or(self.join),
+            walltime: cli.walltime.or(self.walltime),
+            resources,
+            vars,
+            export_all: cli.export_all || self.export_all,
+            workdir: cli.workdir.or(self.workdir),
+            shell: cli.shell.or(self.shell),
+            rerunnable: cli.rerunnable.or(self.rerunnable),
+            umask: cli.umask.or(self.umask),
+            group: cli.group.or(self.group),
+            warnings,
+        }
+    }
+
+    fn warn(&mut self, line: Option<usize>, message: String) {
+        self.warnings.push(Warning { line, message });
+    }
+
+    /// `-o`/`-e` take `[hostname:]path`; vq writes on the execution VM's
+    /// (shared) file system, so a host part is dropped with a warning.
+    fn output_path(
+        &mut self,
+        option: char,
+        value: &str,
+        line: Option<usize>,
+    ) -> Result<String, PbsError> {
+        let path = match value.split_once(':') {
+            Some((host, path)) if !host.is_empty() && !host.contains('/') => {
+                self.warn(
+                    line,
+                    format!("-{option}: host {host:?} ignored (output is written on the execution host)"),
+                );
+                path
+            }
+            _ => value,
+        };
+        if path.is_empty() {
+            return Err(PbsError::invalid(option, value, "empty path"));
+        }
+        if path.contains('\0') {
+            return Err(PbsError::invalid(option, value, "path contains a NUL byte"));
+        }
+        Ok(path.to_string())
+    }
+
+    fn apply_resources(&mut self, value: &str, line: Option<usize>) -> Result<(), PbsError> {
+        for item in value.split(',') {
+            if item.is_empty() {
+                return Err(PbsError::invalid('l', value, "empty resource in list"));
+            }
+            let (name, val) = item.split_once('=').unwrap_or((item, ""));
+            if name.is_empty() {
+                return Err(PbsError::invalid('l', value, "resource without a name"));
+            }
+            if name == "walltime" {
+                self.walltime = Some(parse_walltime(val)?);
+                continue;
+            }
+            self.warn(
+                line,
+                format!("-l {name}: kept but not enforced (vq enforces only walltime)"),
+            );
+            self.resources.retain(|r| r.name != name);
+            self.resources.push(Resource {
+                name: name.to_string(),
+                value: val.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `-W attr=value[,attr=value]`. `umask` and `group_list` are honoured;
+    /// `depend`, `stagein` and `stageout` are refused because running the job
+    /// without them would change its meaning; other attributes are ignored
+    /// with a warning.
+    fn apply_attributes(&mut self, value: &str, line: Option<usize>) -> Result<(), PbsError> {
+        // group_list itself may be a comma list (`grp@host,grp2`), so split
+        // on commas only before a word followed by '='.
+        for (attr, val) in split_attributes(value) {
+            match attr {
+                "umask" => self.umask = Some(parse_umask(val)?),
+                "group_list" => self.group = Some(parse_group_list(val)?),
+                "depend" | "stagein" | "stageout" => {
+                    return Err(PbsError::invalid(
+                        'W',
+                        value,
+                        format!("{attr} is not supported by vq"),
+                    ))
+                }
+                "" => return Err(PbsError::invalid('W', value, "expected attr=value")),
+                other => self.warn(line, format!("-W {other}: ignored (not supported by vq)")),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Options that take a value (all supported ones but `-V`).
+fn takes_value(option: char) -> bool {
+    matches!(
+        option,
+        'N' | 'q' | 'o' | 'e' | 'j' | 'l' | 'v' | 'd' | 'S' | 'r' | 'W' | 'm' | 'M' | 'A'
+    )
+}
+
+fn split_attributes(value: &str) -> Vec<(&str, &str)> {
+    let mut out: Vec<(&str, &str)> = Vec::new();
+    let mut start = 0;
+    let bytes = value.as_bytes();
+    let mut i = 0;
+    while i <= bytes.len() {
+        let at_end = i == bytes.len();
+        let next_is_attr = !at_end
+            && bytes[i] == b','
+            && value[i + 1..]
+                .split(',')
+                .next()
+                .is_some_and(|w| w.contains('='));
+        if at_end || next_is_attr {
+            let item = &value[start..i];
+            let (a, v) = item.split_once('=').unwrap_or(("", item));
+            out.push((a, v));
+            start = i + 1;
+        }
+        i += 1;
+    }
+    out
+}
+
+fn parse_umask(val: &str) -> Result<u32, PbsError> {
+    let digits = val.strip_prefix("0o").unwrap_or(val);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b))
+    {
+        return Err(PbsError::invalid(
+            'W',
+            &format!("umask={val}"),
+            "umask is an octal number such as 022",
+        ));
+    }
+    let mask = u32::from_str_radix(digits, 8)
+        .map_err(|_| PbsError::invalid('W', &format!("umask={val}"), "umask is an octal number"))?;
+    if mask > 0o777 {
+        return Err(PbsError::invalid(
+            'W',
+            &format!("umask={val}"),
+            "umask must be at most 0777",
+        ));
+    }
+    Ok(mask)
+}
+
+/// `group_list=g1[@host][,g2@host2]`: the first entry without a host, else
+/// the first entry's group.
+fn parse_group_list(val: &str) -> Result<String, PbsError> {
+    let entries: Vec<&str> = val.split(',').collect();
+    let chosen = entries
+        .iter()
+        .find(|e| !e.contains('@'))
+        .copied()
+        .or_else(|| entries.first().map(|e| e.split('@').next().unwrap_or("")))
+        .unwrap_or("");
+    if !valid_unix_name(chosen) {
+        return Err(PbsError::invalid(
+            'W',
+            &format!("group_list={val}"),
+            "not a valid group name",
+        ));
+    }
+    Ok(chosen.to_string())
+}
+
+/// Whether `name` looks like a Unix user or group name (POSIX portable
+/// characters, not starting with `-`, at most 32 characters).
+fn valid_unix_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 32
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+/// Parses `-j`: `oe`, `eo` or `n`.
+///
+/// # Errors
+/// [`PbsError::InvalidValue`].
+pub fn parse_join(value: &str) -> Result<Join, PbsError> {
+    match value {
+        "oe" => Ok(Join::Oe),
+        "eo" => Ok(Join::Eo),
+        "n" => Ok(Join::N),
+        _ => Err(PbsError::invalid('j', value, "expected oe, eo or n")),
+    }
+}
+
+/// Parses `-v VAR[=value][,VAR2[=value]]`. Names follow the shell:
+/// `[A-Za-z_][A-Za-z0-9_]*`. Values cannot contain commas (as in Torque).
+///
+/// # Errors
+/// [`PbsError::InvalidValue`] naming the bad entry.
+pub fn parse_var_list(value: &str) -> Result<Vec<(String, VarValue)>, PbsError> {
+    let mut out = Vec::new();
+    for item in value.split(',') {
+        let (name, val) = match item.split_once('=') {
+            Some((n, v)) => (n, VarValue::Given(v.to_string())),
+            None => (item, VarValue::FromEnvironment),
+        };
+        if !valid_var_name(name) {
+            return Err(PbsError::invalid(
+                'v',
+                value,
+                format!("{name:?} is not a variable name"),
+            ));
+        }
+        out.push((name.to_string(), val));
+    }
+    Ok(out)
+}
+
+/// Whether `name` is a shell variable name.
+pub fn valid_var_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b) if b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Parses `-S path[@host][,path@host]`: the first entry without a host, else
+/// the first entry's path. The path must be absolute.
+///
+/// # Errors
+/// [`PbsError::InvalidValue`].
+pub fn parse_shell_list(value: &str) -> Result<String, PbsError> {
+    let entries: Vec<&str> = value.split(',').collect();
+    let chosen = entries
+        .iter()
+        .find(|e| !e.contains('@'))
+        .copied()
+        .unwrap_or_else(|| entries[0].split('@').next().unwrap_or(""));
+    if !chosen.starts_with('/') {
+        return Err(PbsError::invalid(
+            'S',
+            value,
+            "the shell must be an absolute path",
+        ));
+    }
+    if chosen.contains(char::is_whitespace) || chosen.contains('\0') {
+        return Err(PbsError::invalid(
+            'S',
+            value,
+            "the shell path contains blanks",
+        ));
+    }
+    Ok(chosen.to_string())
+}
+
+/// Checks a job name: 1 to [`MAX_JOB_NAME_LEN`] printable ASCII characters,
+/// no blanks, no `/` (the name is part of the default output file names,
+/// `<name>.o<seq>`), and not starting with `-` or `.`. Torque requires
+/// "printable, non-white-space characters"; the `/` and leading-character
+/// rules are vq's, to keep output file names safe.
+///
+/// # Errors
+/// A sentence saying what is wrong.
+pub fn validate_job_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the job name is empty".into());
+    }
+    if name.chars().count() > MAX_JOB_NAME_LEN {
+        return Err(format!(
+            "the job name is longer than {MAX_JOB_NAME_LEN} characters"
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "the job name contains {c:?}; only printable ASCII without blanks is allowed"
+        ));
+    }
+    if name.contains('/') {
+        return Err("the job name contains '/'".into());
+    }
+    if name.starts_with('-') || name.starts_with('.') {
+        return Err("the job name starts with '-' or '.'".into());
+    }
+    Ok(())
+}
+
+/// Turns any string (e.g. a script file name) into a valid job name:
+/// characters that [`validate_job_name`] rejects become `_`, a leading `-`
+/// or `.` becomes `_`, and the result is cut to [`MAX_JOB_NAME_LEN`].
+/// An empty input gives `STDIN`, Torque's name for a script read from stdin.
+pub fn sanitize_job_name(raw: &str) -> String {
+    if raw.is_empty() {
+        return "STDIN".into();
+    }
+    raw.chars()
+        .take(MAX_JOB_NAME_LEN)
+        .enumerate()
+        .map(|(i, c)| {
+            if !c.is_ascii_graphic() || c == '/' || (i == 0 && (c == '-' || c == '.')) {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// Parses a Torque walltime: `SS`, `MM:SS`, `HH:MM:SS` or `D:HH:MM:SS`
+/// (the leading field may exceed its usual range, e.g. `100:00:00` or
+/// `90:00`; later fields are 0-59, hours after days 0-23), optionally with a
+/// fractional second (`.5`, rounded up so that a limit is never shorter than
+/// asked). The result is in `1..=MAX_WALLTIME_SECS` seconds.
+///
+/// Torque's `pbs_resources(7)` documents `[[HH:]MM:]SS[.milliseconds]`; the
+/// days form is accepted because Moab and Slurm users write it.
+///
+/// # Errors
+/// [`PbsError::Walltime`] saying what is wrong.
+pub fn parse_walltime(value: &str) -> Result<u64, PbsError> {
+    let bad = |reason: &str| PbsError::Walltime {
+        value: value.to_string(),
+        reason: reason.to_string(),
+    };
+    if value.is_empty() {
+        return Err(bad("empty"));
+    }
+    let (main, frac) = match value.split_once('.') {
+        Some((m, f)) => (m, Some(f)),
+        None => (value, None),
+    };
+    let fields: Vec<&str> = main.split(':').collect();
+    if fields.len() > 4 {
+        return Err(bad("too many fields; expected [[[D:]HH:]MM:]SS"));
+    }
+    let mut numbers = Vec::with_capacity(fields.len());
+    for (i, f) in fields.iter().enumerate() {
+        if f.is_empty() || !f.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad("fields must be decimal digits"));
+        }
+        if i > 0 && f.len() > 2 {
+            return Err(bad("fields after the first have at most two digits"));
+        }
+        let n: u64 = if f.len() > 20 {
+            return Err(bad("number too large"));
+        } else {
+            f.parse().map_err(|_| bad("number too large"))?
+        };
+        numbers.push(n);
+    }
+    // Units from the last field backwards: seconds, minutes, hours, days.
+    const UNITS: [u64; 4] = [1, 60, 3600, 86_400];
+    const LIMITS: [u64; 4] = [60, 60, 24, u64::MAX];
+    let count = numbers.len();
+    let mut total: u64 = 0;
+    for (k, n) in numbers.iter().rev().enumerate() {
+        let leading = k == count - 1;
+        if !leading && *n >= LIMITS[k] {
+            return Err(bad(match k {
+                0 => "seconds must be below 60",
+                1 => "minutes must be below 60",
+                _ => "hours must be below 24 when days are given",
+            }));
+        }
+        total = n
+            .checked_mul(UNITS[k])
+            .and_then(|v| v.checked_add(total))
+            .ok_or_else(|| bad("too large"))?;
+    }
+    if let Some(frac) = frac {
+        if frac.is_empty() || !frac.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad("the fraction must be decimal digits"));
+        }
+        if frac.bytes().any(|b| b != b'0') {
+            total = total.checked_add(1).ok_or_else(|| bad("too large"))?;
+        }
+    }
+    if total == 0 {
+        return Err(bad("must be at least one second"));
+    }
+    if total > MAX_WALLTIME_SECS {
+        return Err(bad("longer than 100 years"));
+    }
+    Ok(total)
+}
+
+/// Formats seconds as Torque prints walltimes: `HH:MM:SS` (hours may exceed
+/// 99). [`parse_walltime`] reads it back.
+pub fn format_walltime(secs: u64) -> String {
+    format!(
+        "{:02}:{:02}:{:02}",
+        secs / 3600,
+        (secs / 60) % 60,
+        secs % 60
+    )
+}
+
+/// Splits a directive's option text into words like a POSIX shell: blanks
+/// separate words; `'…'` is literal; in `"…"` a backslash escapes `"`, `\`,
+/// `$` and `` ` ``; outside quotes a backslash escapes any character. An
+/// unquoted `#` at the start of a word starts a comment that runs to the end
+/// of the line. No expansion is done (Torque does none either).
+///
+/// # Errors
+/// [`PbsError::UnterminatedQuote`].
+pub fn split_words(text: &str) -> Result<Vec<String>, PbsError> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            c if c.is_whitespace() => {
+                if in_word {
+                    words.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            '#' if !in_word => break,
+            '\'' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('\'') => break,
+                        Some(ch) => cur.push(ch),
+                        None => return Err(PbsError::UnterminatedQuote { quote: '\'' }),
+                    }
+                }
+            }
+            '"' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('"') => break,
+                        Some('\\') => match chars.peek() {
+                            Some(&n) if matches!(n, '"' | '\\' | '$' | '`') => {
+                                cur.push(n);
+                                chars.next();
+                            }
+                            _ => cur.push('\\'),
+                        },
+                        Some(ch) => cur.push(ch),
+                        None => return Err(PbsError::UnterminatedQuote { quote: '"' }),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            c => {
+                in_word = true;
+                cur.push(c);
+            }
+        }
+    }
+    if in_word {
+        words.push(cur);
+    }
+    Ok(words)
+}
+
+/// Applies the options in `words` (getopt style: `-N name`, `-Nname`, and
+/// `-V` clustered with a following option, `-Vj oe`) to `dirs`.
+fn apply_words(dirs: &mut Directives, words: &[String], line: usize) -> Result<(), PbsError> {
+    let mut i = 0;
+    while i < words.len() {
+        let word = &words[i];
+        i += 1;
+        let Some(mut rest) = word.strip_prefix('-').filter(|r| !r.is_empty()) else {
+            return Err(PbsError::UnexpectedArgument { word: word.clone() });
+        };
+        loop {
+            let mut it = rest.chars();
+            let Some(option) = it.next() else { break };
+            let after = it.as_str();
+            if option == 'V' {
+                dirs.apply_option('V', None, Some(line))?;
+                rest = after;
+                continue;
+            }
+            if !takes_value(option) {
+                return Err(PbsError::UnknownOption {
+                    option: option.to_string(),
+                });
+            }
+            let value = if !after.is_empty() {
+                after.to_string()
+            } else if i < words.len() {
+                i += 1;
+                words[i - 1].clone()
+            } else {
+                return Err(PbsError::MissingValue { option });
+            };
+            dirs.apply_option(option, Some(&value), Some(line))?;
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Reads the `#PBS` directives of a job script.
+///
+/// Scanning follows Torque (see the module docs): it stops at the first line
+/// that is neither blank nor a comment; `#PBS` lines after that are ignored
+/// with a warning. A line whose first word is `#PBS` followed by a blank (or
+/// nothing) is a directive; `#PBSX` is an ordinary comment. Carriage returns
+/// at line ends are ignored.
+///
+/// # Errors
+/// [`PbsError::AtLine`] with the 1-based line number and the problem (an
+/// unknown option, a bad value, an unterminated quote).
+pub fn parse_script(text: &str) -> Result<Directives, PbsError> {
+    let mut dirs = Directives::default();
+    let mut in_header = true;
+    for (idx, raw) in text.lines().enumerate() {
+        let line_no = idx + 1;
+        let line = raw.strip_suffix('\r').unwrap_or(raw).trim_start();
+        let directive = line
+            .strip_prefix("#PBS")
+            .filter(|rest| rest.is_empty() || rest.starts_with(char::is_whitespace));
+        if !in_header {
+            if directive.is_some() {
+                dirs.warn(
+                    Some(line_no),
+                    "#PBS directive after the first command ignored (directives must precede all commands)"
+                        .to_string(),
+                );
+            }
+            continue;
+        }
+        match directive {
+            Some(rest) => {
+                let words = split_words(rest).map_err(|e| e.at_line(line_no))?;
+                apply_words(&mut dirs, &words, line_no).map_err(|e| e.at_line(line_no))?;
+            }
+            None if line.is_empty() || line.starts_with('#') => {}
+            None => in_header = false,
+        }
+    }
+    Ok(dirs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn given(v: &str) -> VarValue {
+        VarValue::Given(v.into())
+    }
+
+    #[test]
+    fn walltime_accepts_torque_forms() {
+        assert_eq!(parse_walltime("45").unwrap(), 45);
+        assert_eq!(parse_walltime("01:30").unwrap(), 90);
+        assert_eq!(parse_walltime("01:00:00").unwrap(), 3600);
+        assert_eq!(parse_walltime("100:00:00").unwrap(), 360_000);
+        assert_eq!(parse_walltime("90:00").unwrap(), 5400);
+        assert_eq!(
+            parse_walltime("1:02:03:04").unwrap(),
+            86_400 + 7200 + 180 + 4
+        );
+        assert_eq!(parse_walltime("3600").unwrap(), 3600);
+        assert_eq!(parse_walltime("0:0:5").unwrap(), 5);
+        assert_eq!(
+            parse_walltime("00:00:01.500").unwrap(),
+            2,
+            "fraction rounds up"
+        );
+        assert_eq!(parse_walltime("10.000").unwrap(), 10);
+    }
+
+    #[test]
+    fn walltime_rejects_garbage_and_out_of_range_fields() {
+        for bad in [
+            "",
+            "abc",
+            "1:",
+            ":1",
+            "1::2",
+            "1:60",
+            "1:60:00",
+            "1:00:60",
+            "1:24:00:00",
+            "1:2:3:4:5",
+            "-5",
+            "+5",
+            " 5",
+            "5 ",
+            "1h",
+            "00:00:00",
+            "0",
+            "1.x",
+            "1.",
+            "1:0100",
+            "99999999999999999999999",
+            "213503982334601:00:00:00",
+            "36500000:00:00:00",
+        ] {
+            let err = parse_walltime(bad).expect_err(bad);
+            assert!(matches!(err, PbsError::Walltime { .. }), "{bad}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn walltime_formats_as_hh_mm_ss() {
+        assert_eq!(format_walltime(0), "00:00:00");
+        assert_eq!(format_walltime(3661), "01:01:01");
+        assert_eq!(format_walltime(360_000), "100:00:00");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn walltime_round_trips(secs in 1u64..=MAX_WALLTIME_SECS) {
+            proptest::prop_assert_eq!(parse_walltime(&format_walltime(secs)).unwrap(), secs);
+        }
+
+        #[test]
+        fn walltime_parser_never_panics(s in "[0-9:.]{0,30}") {
+            let _ = parse_walltime(&s);
+        }
+
+        #[test]
+        fn script_parser_never_panics(s in "(#PBS [-a-zA-Z0-9=:,'\" @/]{0,40}\n){0,5}") {
+            let _ = parse_script(&s);
+        }
+    }
+
+    #[test]
+    fn a_typical_script_is_parsed() {
+        let script = "#!/bin/bash\n\
+            #PBS -N sim_42\n\
+            #PBS -q cms\n\
+            #PBS -l walltime=02:00:00,nodes=1:ppn=4\n\
+            #PBS -j oe\n\
+            #PBS -o logs/out.txt\n\
+            #PBS -v FOO=bar,HOME_DIR\n\
+            #PBS -V\n\
+            #PBS -d /scratch/u\n\
+            #PBS -S /bin/bash\n\
+            #PBS -r n\n\
+            #PBS -W umask=027,group_list=cms\n\
+            \n\
+            # a comment\n\
+            echo hello\n";
+        let d = parse_script(script).unwrap();
+        assert_eq!(d.name.as_deref(), Some("sim_42"));
+        assert_eq!(d.queue.as_deref(), Some("cms"));
+        assert_eq!(d.walltime, Some(7200));
+        assert_eq!(
+            d.resources,
+            vec![Resource {
+                name: "nodes".into(),
+                value: "1:ppn=4".into()
+            }]
+        );
+        assert_eq!(d.join, Some(Join::Oe));
+        assert_eq!(d.stdout.as_deref(), Some("logs/out.txt"));
+        assert_eq!(
+            d.vars,
+            vec![
+                ("FOO".into(), given("bar")),
+                ("HOME_DIR".into(), VarValue::FromEnvironment)
+            ]
+        );
+        assert!(d.export_all);
+        assert_eq!(d.workdir.as_deref(), Some("/scratch/u"));
+        assert_eq!(d.shell.as_deref(), Some("/bin/bash"));
+        assert_eq!(d.rerunnable, Some(false));
+        assert_eq!(d.umask, Some(0o027));
+        assert_eq!(d.group.as_deref(), Some("cms"));
+        assert_eq!(d.warnings.len(), 1, "{:?}", d.warnings);
+        assert_eq!(d.warnings[0].line, Some(4));
+    }
+
+    #[test]
+    fn scanning_stops_at_the_first_command() {
+        let d = parse_script("#PBS -N first\necho hi\n#PBS -N second\n#PBS -x\n").unwrap();
+        assert_eq!(d.name.as_deref(), Some("first"));
+        assert_eq!(d.warnings.len(), 2);
+        assert_eq!(d.warnings[0].line, Some(3));
+    }
+
+    #[test]
+    fn directives_before_the_shebang_and_indented_ones_count() {
+        let d = parse_script("#PBS -q a\n#!/bin/sh\n  #PBS -N x\r\n\n#PBSX -N ignored\ntrue\n")
+            .unwrap();
+        assert_eq!(d.queue.as_deref(), Some("a"));
+        assert_eq!(d.name.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn options_are_tokenised_like_a_shell() {
+        let d = parse_script(
+            "#PBS -o '/tmp/my out' -e \"/tmp/e \\\"q\\\"\" -Nname  # trailing comment\n",
+        )
+        .unwrap();
+        assert_eq!(d.stdout.as_deref(), Some("/tmp/my out"));
+        assert_eq!(d.stderr.as_deref(), Some("/tmp/e \"q\""));
+        assert_eq!(d.name.as_deref(), Some("name"));
+        let d = parse_script("#PBS -Vj oe\n").unwrap();
+        assert!(d.export_all);
+        assert_eq!(d.join, Some(Join::Oe));
+    }
+
+    #[test]
+    fn errors_name_the_line_and_the_option() {
+        let err = parse_script("#!/bin/sh\n#PBS -N ok\n#PBS -t 1-10\n").unwrap_err();
+        assert_eq!(err.line(), Some(3));
+        let PbsError::AtLine { source, .. } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(**source, PbsError::UnknownOption { option: "t".into() });
+
+        let err = parse_script("#PBS -N\n").unwrap_err();
+        assert_eq!(err.line(), Some(1));
+        assert!(matches!(
+            *err_source(&err),
+            PbsError::MissingValue { option: 'N' }
+        ));
+
+        let err = parse_script("\n#PBS -o 'open\n").unwrap_err();
+        assert_eq!(err.line(), Some(2));
+        assert!(matches!(
+            *err_source(&err),
+            PbsError::UnterminatedQuote { quote: '\'' }
+        ));
+
+        let err = parse_script("#PBS name\n").unwrap_err();
+        assert!(matches!(
+            *err_source(&err),
+            PbsError::UnexpectedArgument { .. }
+        ));
+
+        for bad in [
+            "#PBS -l walltime=1:99:00",
+            "#PBS -j x",
+            "#PBS -r maybe",
+            "#PBS -q a.b",
+            "#PBS -S bash",
+            "#PBS -W umask=999",
+            "#PBS -W umask=01000",
+            "#PBS -W depend=afterok:12",
+            "#PBS -v 1BAD=x",
+            "#PBS -N has/slash",
+            "#PBS -W group_list=-x",
+        ] {
+            let err = parse_script(bad).expect_err(bad);
+            assert_eq!(err.line(), Some(1), "{bad}");
+        }
+    }
+
+    fn err_source(err: &PbsError) -> Box<PbsError> {
+        match err {
+            PbsError::AtLine { source, .. } => source.clone(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn ignored_options_warn() {
+        let d = parse_script(
+            "#PBS -m abe\n#PBS -M a@b.c\n#PBS -A proj\n#PBS -W x=1\n#PBS -q cms@server\n#PBS -o host:/x\n",
+        )
+        .unwrap();
+        let lines: Vec<_> = d.warnings.iter().map(|w| w.line).collect();
+        assert_eq!(
+            lines,
+            vec![Some(1), Some(2), Some(3), Some(4), Some(5), Some(6)]
+        );
+        assert_eq!(d.queue.as_deref(), Some("cms"));
+        assert_eq!(d.stdout.as_deref(), Some("/x"));
+    }
+
+    #[test]
+    fn shell_and_group_lists_take_the_plain_entry() {
+        assert_eq!(
+            parse_shell_list("/bin/zsh@h1,/bin/bash").unwrap(),
+            "/bin/bash"
+        );
+        assert_eq!(parse_shell_list("/bin/zsh@h1").unwrap(), "/bin/zsh");
+        let d = parse_script("#PBS -W group_list=a@h,b,umask=7\n").unwrap();
+        assert_eq!(d.group.as_deref(), Some("b"));
+        assert_eq!(d.umask, Some(0o7));
+    }
+
+    #[test]
+    fn job_names_follow_the_rules() {
+        assert!(validate_job_name("a-b_c.1+x").is_ok());
+        assert!(validate_job_name(&"x".repeat(MAX_JOB_NAME_LEN)).is_ok());
+        for bad in ["", "a b", "a\tb", "a/b", "-x", ".x", "é"] {
+            assert!(validate_job_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_job_name(&"x".repeat(MAX_JOB_NAME_LEN + 1)).is_err());
+        assert_eq!(sanitize_job_name("my job.sh"), "my_job.sh");
+        assert_eq!(sanitize_job_name(".hidden"), "_hidden");
+        assert_eq!(sanitize_job_name(""), "STDIN");
+        assert!(validate_job_name(&sanitize_job_name(&"é ".repeat(300))).is_ok());
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_script() {
+        let script = parse_script(
+            "#PBS -N s\n#PBS -q a\n#PBS -v A=1,B=2\n#PBS -l walltime=10,mem=1gb\n#PBS -r n\n",
+        )
+        .unwrap();
+        let mut cli = Directives::default();
+        cli.apply_option('N', Some("c"), None).unwrap();
+        cli.apply_option('v', Some("B=3"), None).unwrap();
+        cli.apply_option('l', Some("walltime=20,mem=2gb"), None)
+            .unwrap();
+        cli.apply_option('V', None, None).unwrap();
+        let d = script.overridden_by(cli);
+        assert_eq!(d.name.as_deref(), Some("c"));
+        assert_eq!(d.queue.as_deref(), Some("a"));
+        assert_eq!(d.walltime, Some(20));
+        assert_eq!(d.rerunnable, Some(false));
+        assert!(d.export_all);
+        assert_eq!(
+            d.resources,
+            vec![Resource {
+                name: "mem".into(),
+                value: "2gb".into()
+            }]
+        );
+        assert_eq!(
+            d.vars,
+            vec![
+                ("A".into(), given("1")),
+                ("B".into(), given("2")),
+                ("B".into(), given("3"))
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_command_line_options_are_refused() {
+        let mut d = Directives::default();
+        assert!(matches!(
+            d.apply_option('z', Some("x"), None),
+            Err(PbsError::UnknownOption { .. })
+        ));
+        assert!(matches!(
+            d.apply_option('q', None, None),
+            Err(PbsError::MissingValue { option: 'q' })
+        ));
+    }
+}

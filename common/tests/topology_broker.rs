@@ -27,8 +27,12 @@ async fn topology_is_declared_idempotently_and_routes_demand() {
     let conn = amqp::connect(&broker(), "vq-common-test").await.unwrap();
     let ch = amqp::confirm_channel(&conn).await.unwrap();
     let topo = Topology::new(cluster());
-    amqp::declare_topology(&ch, &topo, ["a", "b"]).await.unwrap();
-    amqp::declare_topology(&ch, &topo, ["a", "b"]).await.unwrap();
+    amqp::declare_topology(&ch, &topo, ["a", "b"])
+        .await
+        .unwrap();
+    amqp::declare_topology(&ch, &topo, ["a", "b"])
+        .await
+        .unwrap();
 
     let demand = Demand {
         schema: 1,
@@ -38,9 +42,16 @@ async fn topology_is_declared_idempotently_and_routes_demand() {
         at: 0.0,
         source: "test".into(),
     };
-    amqp::publish_message(&ch, &topo.demand_exchange(), "a", &demand, true, Duration::from_secs(5))
-        .await
-        .unwrap();
+    amqp::publish_message(
+        &ch,
+        &topo.demand_exchange(),
+        "a",
+        &demand,
+        true,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
     let got = ch
         .basic_get(topo.demand_queue().as_str().into(), Default::default())
         .await
@@ -62,8 +73,16 @@ async fn topology_is_declared_idempotently_and_routes_demand() {
     .unwrap_err();
     assert!(matches!(err, AmqpError::Unroutable { .. }), "{err}");
 
-    for q in [topo.pool_queue("a"), topo.pool_queue("b"), topo.dead_queue(), topo.event_log_queue(), topo.demand_queue()] {
-        ch.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+    for q in [
+        topo.pool_queue("a"),
+        topo.pool_queue("b"),
+        topo.dead_queue(),
+        topo.event_log_queue(),
+        topo.demand_queue(),
+    ] {
+        ch.queue_delete(q.as_str().into(), Default::default())
+            .await
+            .unwrap();
     }
     conn.close(200, "done".into()).await.ok();
 }
@@ -76,15 +95,21 @@ async fn a_queue_declared_with_other_arguments_names_the_argument() {
     amqp::declare_exchanges(&ch, &topo).await.unwrap();
     let q = topo.pool_queue("x");
     let classic = vec![("x-max-length", ArgValue::Int(5))];
-    amqp::declare_bound_queue(&ch, &q, &classic, &topo.jobs_exchange(), "x").await.unwrap();
+    amqp::declare_bound_queue(&ch, &q, &classic, &topo.jobs_exchange(), "x")
+        .await
+        .unwrap();
     let ch2 = amqp::confirm_channel(&conn).await.unwrap();
-    let err = amqp::declare_pool_queue(&ch2, &topo, "x").await.unwrap_err();
+    let err = amqp::declare_pool_queue(&ch2, &topo, "x")
+        .await
+        .unwrap_err();
     let text = format!("{err}: {}", std::error::Error::source(&err).unwrap());
     eprintln!("{text}");
     assert!(text.contains(&q), "{text}");
     assert!(text.contains("PRECONDITION_FAILED"), "{text}");
     assert!(!err.is_transient());
     let ch3 = amqp::confirm_channel(&conn).await.unwrap();
-    ch3.queue_delete(q.as_str().into(), Default::default()).await.unwrap();
+    ch3.queue_delete(q.as_str().into(), Default::default())
+        .await
+        .unwrap();
     conn.close(200, "done".into()).await.ok();
 }

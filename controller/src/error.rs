@@ -70,9 +70,9 @@ impl CloudError {
             CloudError::Status { status, .. } => {
                 matches!(status, 401 | 409 | 413 | 429) || (500..600).contains(status)
             }
-            CloudError::Decode { .. } | CloudError::NoEndpoint { .. } | CloudError::Resolve { .. } => {
-                false
-            }
+            CloudError::Decode { .. }
+            | CloudError::NoEndpoint { .. }
+            | CloudError::Resolve { .. } => false,
         }
     }
 
@@ -131,7 +131,9 @@ pub enum CredentialsError {
         missing: String,
     },
     /// The auth type is not one we implement.
-    #[error("unsupported auth_type {auth_type:?} (use password, v3password or v3applicationcredential)")]
+    #[error(
+        "unsupported auth_type {auth_type:?} (use password, v3password or v3applicationcredential)"
+    )]
     AuthType {
         /// The configured auth type.
         auth_type: String,
@@ -190,7 +192,7 @@ pub enum ActError {
         name: String,
         /// Cause.
         #[source]
-        source: CloudError,
+        source: Box<CloudError>,
     },
     /// Deleting a server failed.
     #[error("cannot delete server {name} ({id})")]
@@ -201,7 +203,7 @@ pub enum ActError {
         name: String,
         /// Cause.
         #[source]
-        source: CloudError,
+        source: Box<CloudError>,
     },
     /// Resolving the pool's flavor or image failed.
     #[error("cannot resolve the flavor or image of pool {pool}")]
@@ -210,7 +212,7 @@ pub enum ActError {
         pool: String,
         /// Cause.
         #[source]
-        source: CloudError,
+        source: Box<CloudError>,
     },
     /// Sending a control message failed.
     #[error("cannot send {what} to agent {agent}")]
@@ -219,9 +221,9 @@ pub enum ActError {
         what: &'static str,
         /// Agent id.
         agent: String,
-        /// Cause.
+        /// Cause (boxed: lapin errors are large).
         #[source]
-        source: AmqpError,
+        source: Box<AmqpError>,
     },
     /// The user-data template could not be read or rendered.
     #[error("cannot render the user-data of pool {pool}")]

@@ -1,1 +1,125 @@
-fn main() {}
+//! `vq-controller`: arguments, configuration, runtime, signals, exit codes.
+//! The logic lives in the library (`vq_controller::run`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use vq_common::config::{load, ControllerConfig, EXIT_CONFIG};
+use vq_controller::reconcile::{run, RunOptions};
+
+/// Seconds the current cycle may take after the first signal before the
+/// process exits anyway.
+const GRACE: Duration = Duration::from_secs(30);
+
+/// Reconciles RabbitMQ demand with OpenStack servers for vq pools.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Config file (TOML; `VQ_*` environment variables override keys).
+    #[arg(long, default_value = "/etc/vq/controller.toml")]
+    config: PathBuf,
+    /// Validate the configuration and exit (0 if valid, 64 if not).
+    #[arg(long)]
+    check_config: bool,
+    /// Run one reconcile cycle and exit.
+    #[arg(long)]
+    once: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    let cfg: ControllerConfig = match load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vq-controller: {e}");
+            if let Some(src) = std::error::Error::source(&e) {
+                eprintln!("  caused by: {src}");
+            }
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    if args.check_config {
+        println!(
+            "{}: valid ({} pool(s): {})",
+            args.config.display(),
+            cfg.pools.len(),
+            cfg.pools.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vq-controller: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(watch_signals(shutdown.clone()));
+        run(cfg, RunOptions { once: args.once }, shutdown).await
+    });
+    match result {
+        Ok(()) => {
+            tracing::info!("vq-controller stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            tracing::error!(error = %msg, "vq-controller failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// First SIGTERM/SIGINT: cancel `shutdown` (finish the current cycle, act no
+/// more). Second signal, or the grace period expiring: exit at once.
+async fn watch_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    let first = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(
+        signal = first,
+        grace_secs = GRACE.as_secs(),
+        "shutting down gracefully: finishing the current cycle, acting no more"
+    );
+    shutdown.cancel();
+    let how = tokio::select! {
+        _ = term.recv() => "second SIGTERM",
+        _ = int.recv() => "second SIGINT",
+        _ = tokio::time::sleep(GRACE) => "grace period expired",
+    };
+    tracing::warn!(reason = how, "forced exit");
+    std::process::exit(130);
+}

@@ -140,6 +140,10 @@ mod f64_as_secs {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         let v = f64::deserialize(d)?;
-        Ok(if v.is_finite() && v > 0.0 { v as u64 } else { 0 })
+        Ok(if v.is_finite() && v > 0.0 {
+            v as u64
+        } else {
+            0
+        })
     }
 }

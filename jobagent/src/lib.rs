@@ -1,1 +1,158 @@
-//! placeholder
+//! `vq-jobagent`: the daemon inside every VM. It pulls jobs of its pool from
+//! RabbitMQ, validates them, runs each as its owner (uid, gid, groups, shell,
+//! working directory, clean PBS environment), enforces walltime, reports
+//! `job.<pool>.started|finished|failed|cancelled` with publisher confirms,
+//! heartbeats, and answers drain and ask-delete questions (DESIGN.md, "The
+//! jobagent").
+//!
+//! Modules: [`settings`] (config + identity), [`plan`] (pure validation →
+//! [`plan::LaunchPlan`]), [`sys`] (user database seam), `spawn` (the only
+//! `unsafe`: privilege drop and exec), [`supervise`] (walltime, cancel,
+//! rusage), [`report`] (publishing), [`state`] (claims, pull/delete flags),
+//! `session` (broker session and control), `consume` (one job to its ack),
+//! `heartbeat`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use vq_common::config::AgentConfig;
+use vq_common::topology::Topology;
+
+mod consume;
+pub mod error;
+mod heartbeat;
+pub mod plan;
+pub mod report;
+mod session;
+pub mod settings;
+pub mod spawn;
+pub mod state;
+pub mod supervise;
+pub mod sys;
+
+pub use error::{AgentError, LaunchError, Rejection};
+
+/// Exit code for "must run as root" (`EX_NOPERM`).
+pub const EXIT_NOPERM: i32 = 77;
+
+/// Shutdown requests: the first SIGTERM/SIGINT cancels `drain`, the second
+/// cancels `force`.
+#[derive(Debug, Clone, Default)]
+pub struct Shutdown {
+    /// Stop pulling, let running jobs finish within the grace period.
+    pub drain: CancellationToken,
+    /// Kill running jobs and exit now.
+    pub force: CancellationToken,
+}
+
+/// How the agent ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Drained: every job finished (or was stopped) and was reported.
+    Drained,
+    /// Forced: jobs were killed without reports.
+    Forced,
+}
+
+/// Everything the agent's tasks share.
+#[derive(Debug)]
+pub(crate) struct Ctx {
+    pub(crate) cfg: AgentConfig,
+    pub(crate) topo: Topology,
+    pub(crate) agent: String,
+    pub(crate) host: String,
+    pub(crate) shared: state::Shared,
+    pub(crate) publisher: report::Publisher,
+    pub(crate) sys: sys::HostSys,
+}
+
+/// Runs the agent until `shutdown`. On the first signal it stops pulling,
+/// waits up to `drain_grace` for running jobs, then cancels the rest
+/// (outcome `cancelled`) and waits for their reports; on the second it kills
+/// every job's process group and returns at once. The broker connection is
+/// closed before returning.
+///
+/// # Errors
+/// [`AgentError::StateDir`] if the state directory cannot be created.
+pub async fn run(
+    cfg: AgentConfig,
+    shutdown: Shutdown,
+    drain_grace: Duration,
+) -> Result<Ended, AgentError> {
+    create_state_dir(&cfg.state_dir)?;
+    let (channel_tx, channel_rx) = watch::channel(None);
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ctx = Arc::new(Ctx {
+        topo: Topology::new(cfg.cluster.clone()),
+        agent: cfg.agent_id.clone(),
+        host,
+        shared: state::Shared::new(cfg.slots),
+        publisher: report::Publisher::new(
+            channel_rx,
+            Duration::from_secs(cfg.broker.confirm_timeout_secs),
+        ),
+        sys: sys::HostSys,
+        cfg,
+    });
+    info!(pool = %ctx.cfg.pool, agent = %ctx.agent, cluster = %ctx.cfg.cluster, slots = ctx.cfg.slots,
+        broker = %vq_common::config::redact_url(&ctx.cfg.broker.url), "jobagent starting");
+
+    let stop = CancellationToken::new();
+    let conn_task = tokio::spawn(session::connection_loop(
+        ctx.clone(),
+        channel_tx,
+        stop.clone(),
+    ));
+    let hb_task = tokio::spawn(heartbeat::heartbeat_loop(ctx.clone(), stop.clone()));
+
+    tokio::select! {
+        _ = shutdown.drain.cancelled() => {}
+        _ = shutdown.force.cancelled() => {}
+    }
+    let mut ended = Ended::Drained;
+    if !shutdown.force.is_cancelled() {
+        info!(pool = %ctx.cfg.pool, grace_secs = drain_grace.as_secs(), "first signal: draining (stop pulling, let jobs finish)");
+        ctx.shared.start_drain();
+        tokio::select! {
+            _ = ctx.shared.wait_idle() => {}
+            _ = tokio::time::sleep(drain_grace) => {
+                warn!(pool = %ctx.cfg.pool, "drain grace period over: cancelling running jobs");
+                ctx.shared.cancel_all();
+                tokio::select! {
+                    _ = ctx.shared.wait_idle() => {}
+                    _ = shutdown.force.cancelled() => {}
+                }
+            }
+            _ = shutdown.force.cancelled() => {}
+        }
+    }
+    if shutdown.force.is_cancelled() {
+        warn!(pool = %ctx.cfg.pool, "second signal: killing running jobs and exiting now");
+        ctx.shared.kill_all();
+        ended = Ended::Forced;
+    } else {
+        ctx.shared.mark_deleted();
+        info!(pool = %ctx.cfg.pool, "all jobs reported; exiting");
+    }
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), conn_task).await;
+    hb_task.abort();
+    Ok(ended)
+}
+
+fn create_state_dir(dir: &std::path::Path) -> Result<(), AgentError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| AgentError::StateDir {
+            path: dir.to_path_buf(),
+            source,
+        })
+}

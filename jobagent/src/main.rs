@@ -1,1 +1,137 @@
-fn main() {}
+//! `jobagent`: args, config, root check, runtime, signals, exit codes. The
+//! logic is in the `vq_jobagent` library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{error, warn};
+use vq_common::config::EXIT_CONFIG;
+use vq_jobagent::settings::{identity_path, load_settings, DEFAULT_CONFIG};
+use vq_jobagent::{run, Ended, Shutdown, EXIT_NOPERM};
+
+/// vq jobagent: pulls batch jobs of its pool from RabbitMQ and runs them as
+/// their owners.
+#[derive(Debug, Parser)]
+#[command(name = "jobagent", version)]
+struct Args {
+    /// Config file (TOML; `VQ_*` environment variables override keys).
+    #[arg(long, default_value = DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// Identity file written by cloud-init (pool, agent_id, broker_url);
+    /// default /etc/vq/identity.toml if it exists.
+    #[arg(long)]
+    identity: Option<PathBuf>,
+    /// State directory (overrides `state_dir`).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Validate the configuration and exit (0 valid, 64 invalid).
+    #[arg(long)]
+    check_config: bool,
+    /// Seconds running jobs may take to finish after the first SIGTERM.
+    #[arg(long, default_value_t = 60)]
+    drain_grace_secs: u64,
+}
+
+fn main() -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let hostname = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let cfg = match load_settings(
+        &args.config,
+        identity_path(args.identity.clone()).as_deref(),
+        args.state_dir.as_deref(),
+        std::env::vars(),
+        &hostname,
+    ) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!(
+                "jobagent: {}",
+                anyhow::Error::from(e)
+                    .chain()
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(": ")
+            );
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    if args.check_config {
+        println!(
+            "configuration OK: pool {} agent {} cluster {}",
+            cfg.pool, cfg.agent_id, cfg.cluster
+        );
+        return ExitCode::SUCCESS;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!(
+            "jobagent: must run as root (it switches to each job's owner); effective uid is {}",
+            nix::unistd::geteuid()
+        );
+        return ExitCode::from(EXIT_NOPERM as u8);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let shutdown = Shutdown::default();
+        if let Err(e) = watch_signals(shutdown.clone()) {
+            return Err(anyhow::anyhow!("cannot install signal handlers: {e}"));
+        }
+        run(cfg, shutdown, Duration::from_secs(args.drain_grace_secs))
+            .await
+            .map_err(anyhow::Error::from)
+    });
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    match result {
+        Ok(Ended::Drained) => ExitCode::SUCCESS,
+        Ok(Ended::Forced) => ExitCode::from(1),
+        Err(e) => {
+            error!(error = format!("{e:#}"), "jobagent failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// First SIGTERM/SIGINT → drain; second → force.
+fn watch_signals(shutdown: Shutdown) -> std::io::Result<()> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        let mut count = 0;
+        loop {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            count += 1;
+            if count == 1 {
+                warn!(signal = name, "shutdown requested: draining");
+                shutdown.drain.cancel();
+            } else {
+                warn!(signal = name, "second signal: exiting now");
+                shutdown.force.cancel();
+            }
+        }
+    });
+    Ok(())
+}

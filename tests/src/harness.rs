@@ -1,1 +1,701 @@
-//! Test harness (being written).
+//! Shared test harness: root checks, Unix test users, workspace binaries,
+//! unique cluster names on the shared broker, child processes that die with
+//! the test, and broker helpers (declare, publish jobs and control
+//! messages, tap events, read dead letters).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, Consumer};
+use vq_common::amqp::{confirm_channel, declare_topology, json_properties, publish_confirmed};
+use vq_common::config::BrokerConfig;
+use vq_common::messages::{Control, Job, Message};
+use vq_common::topology::{Topology, ALL_AGENT_EVENTS, ALL_JOB_EVENTS};
+
+/// Whether the test process runs as root.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Returns `true` when running as root; otherwise prints
+/// `skipped: needs root` and returns `false`. Root-only tests are also
+/// `#[ignore = "needs root"]` and CI runs them as root with
+/// `--include-ignored`.
+pub fn require_root() -> bool {
+    if is_root() {
+        true
+    } else {
+        eprintln!("skipped: needs root");
+        false
+    }
+}
+
+/// A Unix user created for tests.
+#[derive(Debug, Clone)]
+pub struct TestUser {
+    /// Login name.
+    pub name: String,
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Home directory.
+    pub home: PathBuf,
+}
+
+/// Creates Unix user `name` with `uid`, a home directory and `/bin/bash`
+/// (`useradd -m -u UID -s /bin/bash NAME`) unless it exists. Use uids 2001
+/// and up for ordinary owners and 500 for `min_uid` tests. Needs root.
+///
+/// # Errors
+/// If `useradd` fails or the user exists with another uid.
+pub fn ensure_test_user(name: &str, uid: u32) -> anyhow::Result<TestUser> {
+    if nix::unistd::User::from_name(name)?.is_none() {
+        let status = Command::new("useradd")
+            .args(["-m", "-u", &uid.to_string(), "-s", "/bin/bash", name])
+            .status()
+            .context("run useradd")?;
+        // Another test may have created it concurrently: re-check below.
+        if !status.success() && nix::unistd::User::from_name(name)?.is_none() {
+            bail!("useradd {name} failed: {status}");
+        }
+    }
+    let u = nix::unistd::User::from_name(name)?.context("user vanished")?;
+    if u.uid.as_raw() != uid {
+        bail!("user {name} exists with uid {} instead of {uid}", u.uid);
+    }
+    std::fs::create_dir_all(&u.dir)?;
+    nix::unistd::chown(&u.dir, Some(u.uid), Some(u.gid))?;
+    Ok(TestUser {
+        name: u.name,
+        uid,
+        gid: u.gid.as_raw(),
+        home: u.dir,
+    })
+}
+
+/// Creates group `name` with `gid` unless it exists and adds `members`
+/// (`groupadd`, `usermod -aG`). Needs root.
+///
+/// # Errors
+/// If a command fails.
+pub fn ensure_group(name: &str, gid: u32, members: &[&str]) -> anyhow::Result<()> {
+    if nix::unistd::Group::from_name(name)?.is_none() {
+        let st = Command::new("groupadd")
+            .args(["-g", &gid.to_string(), name])
+            .status()?;
+        if !st.success() && nix::unistd::Group::from_name(name)?.is_none() {
+            bail!("groupadd {name} failed: {st}");
+        }
+    }
+    for m in members {
+        let st = Command::new("usermod").args(["-aG", name, m]).status()?;
+        if !st.success() {
+            bail!("usermod -aG {name} {m} failed: {st}");
+        }
+    }
+    Ok(())
+}
+
+/// Path of workspace binary `name` (e.g. `jobagent`, `vq-cloudsim`): the
+/// env var `VQ_<NAME>_BIN` (upper case, `-` → `_`) if set, else
+/// `target/<profile>/<name>` found from the test executable's location.
+pub fn bin_path(name: &str) -> PathBuf {
+    let var = format!("VQ_{}_BIN", name.to_ascii_uppercase().replace('-', "_"));
+    if let Ok(p) = std::env::var(&var) {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/<test>-hash → target/debug/<name>
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join(name)
+}
+
+/// Builds workspace binary `bin` of package `package` with cargo (a no-op
+/// when it is fresh; once per test process), so tests in another package
+/// can run it. Cargo variables of the running test are removed from the
+/// nested cargo's environment so it sees the same inputs as a plain
+/// `cargo build` and does not rebuild dependencies.
+///
+/// # Errors
+/// If cargo fails.
+pub fn build_bin(package: &str, bin: &str) -> anyhow::Result<PathBuf> {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let path = bin_path(bin);
+    if std::env::var_os(format!(
+        "VQ_{}_BIN",
+        bin.to_ascii_uppercase().replace('-', "_")
+    ))
+    .is_some()
+    {
+        return Ok(path);
+    }
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if built.iter().any(|b| b == bin) {
+        return Ok(path);
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "-q", "-p", package, "--bin", bin]);
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        if (k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_TARGET_DIR")
+            || k == "OUT_DIR"
+            || k.starts_with("RUSTC")
+        {
+            cmd.env_remove(k);
+        }
+    }
+    let st = cmd.status().context("run cargo build")?;
+    if !st.success() {
+        bail!("cargo build -p {package} --bin {bin} failed: {st}");
+    }
+    built.push(bin.to_string());
+    Ok(path)
+}
+
+/// A random cluster name like `t3f9a0c1d2e`, so tests on a shared broker do
+/// not interfere.
+pub fn unique_cluster() -> String {
+    format!("t{:010x}", rand::random::<u64>() & 0xff_ffff_ffff)
+}
+
+/// Broker URL for tests: `VQ_TEST_BROKER_URL`, default
+/// `amqp://guest:guest@127.0.0.1:5672/%2f`.
+pub fn broker_url() -> String {
+    std::env::var("VQ_TEST_BROKER_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A spawned process that is killed (with its process group when it leads
+/// one) when dropped.
+#[derive(Debug)]
+pub struct ChildGuard {
+    child: Option<Child>,
+    group: bool,
+}
+
+impl ChildGuard {
+    /// Spawns `cmd` in its own process group.
+    ///
+    /// # Errors
+    /// If the spawn fails.
+    pub fn spawn(mut cmd: Command) -> anyhow::Result<Self> {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
+        let child = cmd.spawn().with_context(|| format!("spawn {cmd:?}"))?;
+        Ok(ChildGuard {
+            child: Some(child),
+            group: true,
+        })
+    }
+
+    /// Guards an already spawned child (killed alone, not its group).
+    pub fn new(child: Child) -> Self {
+        ChildGuard {
+            child: Some(child),
+            group: false,
+        }
+    }
+
+    /// Process id.
+    pub fn id(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Sends `sig` to the process.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.id() as i32), sig);
+    }
+
+    /// Exit status if the process has ended.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits up to `timeout` for the process to end.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Some(s) = self.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            if self.group {
+                let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A broker connection for one test cluster.
+pub struct TestBroker {
+    /// The connection.
+    pub conn: Connection,
+    /// A confirm channel.
+    pub ch: Channel,
+    /// Names of the test cluster.
+    pub topo: Topology,
+    pools: Vec<String>,
+}
+
+impl TestBroker {
+    /// Connects to [`broker_url`] and declares the whole topology of
+    /// `cluster` with `pools`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn connect(cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
+        let cfg = BrokerConfig {
+            url: broker_url(),
+            ..Default::default()
+        };
+        let conn = vq_common::amqp::connect(&cfg, "vq-tests").await?;
+        let ch = confirm_channel(&conn).await?;
+        let topo = Topology::new(cluster);
+        declare_topology(&ch, &topo, pools.iter().copied()).await?;
+        Ok(TestBroker {
+            conn,
+            ch,
+            topo,
+            pools: pools.iter().map(|p| p.to_string()).collect(),
+        })
+    }
+
+    /// Publishes raw `body` to the jobs exchange for `pool`, with AMQP
+    /// `user_id` (RabbitMQ checks it equals the connection's user, `guest`
+    /// by default) and `message_id`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn publish_raw_job(
+        &self,
+        pool: &str,
+        body: &[u8],
+        user_id: Option<&str>,
+        message_id: &str,
+    ) -> anyhow::Result<()> {
+        let mut props = json_properties::<Job>().with_message_id(message_id.into());
+        if let Some(u) = user_id {
+            props = props.with_user_id(u.into());
+        }
+        publish_confirmed(
+            &self.ch,
+            &self.topo.jobs_exchange(),
+            pool,
+            body,
+            props,
+            true,
+            Duration::from_secs(10),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Publishes `job` to its pool with AMQP `user_id`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn publish_job(&self, job: &Job, user_id: Option<&str>) -> anyhow::Result<()> {
+        self.publish_raw_job(&job.pool, &job.encode(), user_id, &job.id)
+            .await
+    }
+
+    /// Publishes a control message to `agent`.
+    ///
+    /// # Errors
+    /// Broker errors (including "unroutable" when the agent has no control
+    /// queue yet).
+    pub async fn publish_control(&self, agent: &str, msg: &Control) -> anyhow::Result<()> {
+        publish_confirmed(
+            &self.ch,
+            &self.topo.control_exchange(),
+            agent,
+            &msg.encode(),
+            json_properties::<Control>(),
+            true,
+            Duration::from_secs(10),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Binds an exclusive queue to the events exchange for `job.#` and
+    /// `agent.#`. Call it before publishing what you want to observe.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn tap_events(&self) -> anyhow::Result<EventTap> {
+        let ch = self.conn.create_channel().await?;
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        for key in [ALL_JOB_EVENTS, ALL_AGENT_EVENTS] {
+            ch.queue_bind(
+                q.name().clone(),
+                self.topo.events_exchange().as_str().into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        }
+        let consumer = ch
+            .basic_consume(
+                q.name().clone(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(EventTap {
+            _ch: ch,
+            consumer,
+            seen: Vec::new(),
+        })
+    }
+
+    /// Takes every message now in `<cluster>.jobs.dead` (acking them).
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn take_dead(&self) -> anyhow::Result<Vec<DeadLetter>> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .ch
+            .basic_get(
+                self.topo.dead_queue().as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await?
+        {
+            let d = m.delivery;
+            let mut headers = BTreeMap::new();
+            if let Some(h) = d.properties.headers() {
+                for (k, v) in h.inner() {
+                    let s = match v {
+                        AMQPValue::LongString(s) => {
+                            String::from_utf8_lossy(s.as_bytes()).into_owned()
+                        }
+                        AMQPValue::ShortString(s) => s.to_string(),
+                        other => format!("{other:?}"),
+                    };
+                    headers.insert(k.to_string(), s);
+                }
+            }
+            out.push(DeadLetter {
+                body: d.data,
+                headers,
+                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Number of ready messages in `queue`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn queue_len(&self, queue: &str) -> anyhow::Result<u32> {
+        let ch = self.conn.create_channel().await?;
+        let q = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let n = q.message_count();
+        let _ = ch.close(200, "done".into()).await;
+        Ok(n)
+    }
+
+    /// Deletes the cluster's queues and exchanges (best effort) and closes
+    /// the connection.
+    pub async fn cleanup(self) {
+        let ch = match self.conn.create_channel().await {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let mut queues = vec![
+            self.topo.dead_queue(),
+            self.topo.event_log_queue(),
+            self.topo.demand_queue(),
+        ];
+        queues.extend(self.pools.iter().map(|p| self.topo.pool_queue(p)));
+        for q in queues {
+            let _ = ch
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        for x in [
+            self.topo.jobs_exchange(),
+            self.topo.dead_exchange(),
+            self.topo.events_exchange(),
+            self.topo.demand_exchange(),
+            self.topo.control_exchange(),
+        ] {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), Default::default())
+                .await;
+        }
+        let _ = self.conn.close(200, "test done".into()).await;
+    }
+}
+
+/// A dead-lettered message.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// Original body.
+    pub body: Vec<u8>,
+    /// Headers rendered as strings.
+    pub headers: BTreeMap<String, String>,
+    /// AMQP message id.
+    pub message_id: Option<String>,
+}
+
+/// Events seen on the events exchange.
+pub struct EventTap {
+    _ch: Channel,
+    consumer: Consumer,
+    /// Every event received so far: (routing key, JSON body).
+    pub seen: Vec<(String, serde_json::Value)>,
+}
+
+impl EventTap {
+    /// Waits up to `timeout` for an event whose routing key and body satisfy
+    /// `pred` (events seen earlier count too) and returns it.
+    ///
+    /// # Errors
+    /// On timeout, listing the routing keys seen.
+    pub async fn wait_for(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&str, &serde_json::Value) -> bool,
+    ) -> anyhow::Result<serde_json::Value> {
+        if let Some((_, v)) = self.seen.iter().find(|(k, v)| pred(k, v)) {
+            return Ok(v.clone());
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.consumer.next()).await;
+            match next {
+                Ok(Some(Ok(d))) => {
+                    let key = d.routing_key.to_string();
+                    let v: serde_json::Value =
+                        serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
+                    self.seen.push((key.clone(), v.clone()));
+                    if pred(&key, &v) {
+                        return Ok(v);
+                    }
+                }
+                Ok(Some(Err(e))) => return Err(e.into()),
+                Ok(None) => bail!("event consumer ended while waiting for {what}"),
+                Err(_) => {
+                    let keys: Vec<String> = self
+                        .seen
+                        .iter()
+                        .filter(|(k, _)| !k.ends_with(".heartbeat"))
+                        .map(|(k, v)| {
+                            format!(
+                                "{k} {}",
+                                v.get("job_id").unwrap_or(&serde_json::Value::Null)
+                            )
+                        })
+                        .collect();
+                    bail!("timed out after {timeout:?} waiting for {what}; saw (heartbeats omitted): {keys:#?}")
+                }
+            }
+        }
+    }
+
+    /// Waits for the job event `job.<pool>.<word>` of `job_id`.
+    ///
+    /// # Errors
+    /// On timeout.
+    pub async fn job_event(
+        &mut self,
+        job_id: &str,
+        word: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<serde_json::Value> {
+        let what = format!("job {job_id} {word}");
+        self.wait_for(timeout, &what, |k, v| {
+            k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id
+        })
+        .await
+    }
+}
+
+/// A job for `owner` in `pool` running `script`, with a fresh id.
+pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
+    Job {
+        schema: vq_common::messages::SCHEMA_VERSION,
+        id: format!("{}-{}", rand::random::<u32>(), name),
+        name: name.into(),
+        owner: owner.into(),
+        group: None,
+        pool: pool.into(),
+        script: script.into(),
+        shell: None,
+        workdir: None,
+        env: BTreeMap::new(),
+        stdout: None,
+        stderr: None,
+        join: Default::default(),
+        walltime: None,
+        rerunnable: true,
+        umask: None,
+        submit_host: "submit.test".into(),
+        submitted_at: 0,
+    }
+}
+
+/// A running jobagent with its config directory.
+pub struct AgentProcess {
+    /// The process.
+    pub guard: ChildGuard,
+    /// Agent id.
+    pub agent_id: String,
+    /// Temporary directory with the config and state dir.
+    pub dir: tempfile::TempDir,
+}
+
+/// Starts `jobagent` for `cluster`/`pool` as agent `agent_id` with the
+/// config keys in `extra_toml` appended (e.g. `min_uid = 1000`), the
+/// broker [`broker_url`], and `env` added to its environment. Its log goes
+/// to the test's stderr.
+///
+/// # Errors
+/// If the binary cannot be built or started.
+pub fn start_agent(
+    cluster: &str,
+    pool: &str,
+    agent_id: &str,
+    extra_toml: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<AgentProcess> {
+    let bin = build_bin("vq-jobagent", "jobagent")?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("jobagent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "heartbeat_secs = 0.5\n{extra_toml}\n[broker]\nurl = \"{}\"\n",
+            broker_url()
+        ),
+    )?;
+    // An explicit identity file, so a host's /etc/vq/identity.toml never
+    // leaks into tests (and the identity path is exercised).
+    let identity = dir.path().join("identity.toml");
+    std::fs::write(
+        &identity,
+        format!("cluster = \"{cluster}\"\npool = \"{pool}\"\nagent_id = \"{agent_id}\"\n"),
+    )?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--identity")
+        .arg(&identity)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"));
+    // `VQ_*` variables are config overrides for the agent: the test's own
+    // (e.g. VQ_JOBAGENT_BIN, VQ_TEST_BROKER_URL) must not reach it.
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("VQ_") {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+    );
+    let guard = ChildGuard::spawn(cmd)?;
+    Ok(AgentProcess {
+        guard,
+        agent_id: agent_id.into(),
+        dir,
+    })
+}
+
+/// Waits until `agent` heartbeats on `tap` (it is connected and consuming).
+///
+/// # Errors
+/// On timeout.
+pub async fn wait_agent_up(tap: &mut EventTap, agent: &str) -> anyhow::Result<serde_json::Value> {
+    tap.wait_for(Duration::from_secs(20), "first heartbeat", |k, v| {
+        k.ends_with(".heartbeat") && v["agent"] == agent
+    })
+    .await
+}
+
+/// Closes every broker connection whose client properties contain `needle`
+/// (e.g. the connection name `jobagent <agent id>`), as a broker-side
+/// failure would, with `rabbitmqctl close_connection`. Returns how many
+/// were closed. Needs rabbitmqctl on the test host (root).
+///
+/// # Errors
+/// If rabbitmqctl cannot be run.
+pub fn close_broker_connections(needle: &str) -> anyhow::Result<usize> {
+    let out = Command::new("rabbitmqctl")
+        .args(["list_connections", "pid", "client_properties", "-q"])
+        .output()
+        .context("run rabbitmqctl list_connections")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut closed = 0;
+    for line in text.lines().filter(|l| l.contains(needle)) {
+        let Some(pid) = line.split_whitespace().next() else {
+            continue;
+        };
+        let st = Command::new("rabbitmqctl")
+            .args(["close_connection", pid, "vq test: simulated broker failure"])
+            .output()
+            .context("run rabbitmqctl close_connection")?;
+        if st.status.success() {
+            closed += 1;
+        }
+    }
+    Ok(closed)
+}

@@ -1,1 +1,309 @@
-//! `vq` CLI (being written).
+//! The `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`, `drain`.
+//!
+//! `vq submit` takes `qsub`'s options and `#PBS` directives, so Torque job
+//! scripts run unchanged. Exit codes: 0 success, 64 bad usage or input, 69
+//! broker or controller unavailable, 1 any other failure; `vq submit --wait`
+//! exits with the job's status.
+//!
+//! The binary (`src/bin/vq.rs`) only parses arguments and maps errors to
+//! exit codes; everything else is here so tests can call it.
+
+pub mod control;
+pub mod error;
+pub mod events;
+pub mod pools;
+pub mod settings;
+pub mod stat;
+pub mod submit;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use vq_common::pbs::{Directives, PbsError};
+
+pub use error::CliError;
+use settings::{Overrides, Settings};
+
+/// `vq`: submit and inspect batch jobs on a vq cluster.
+#[derive(Debug, Parser)]
+#[command(name = "vq", version, about, long_about = None)]
+pub struct Cli {
+    /// Connection options.
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Clone, Args)]
+pub struct GlobalArgs {
+    /// AMQP URI of the broker [default: amqp://guest:guest@127.0.0.1:5672/%2f].
+    /// It holds a password: prefer VQ_BROKER_URL or the config file.
+    #[arg(long, env = "VQ_BROKER_URL", global = true, hide_env_values = true)]
+    pub broker_url: Option<String>,
+    /// Cluster name, the prefix of every queue and exchange [default: vq].
+    #[arg(long, env = "VQ_CLUSTER", global = true)]
+    pub cluster: Option<String>,
+    /// Base URL of the controller's HTTP server [default: http://127.0.0.1:9180].
+    #[arg(long = "controller", env = "VQ_CONTROLLER_URL", global = true)]
+    pub controller_url: Option<String>,
+    /// TOML file with broker_url, cluster, controller_url, broker_ca_file
+    /// [default: ~/.config/vq/vq.toml if it exists].
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
+}
+
+/// `vq` commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Submit a job script (qsub options and #PBS directives); prints the job id.
+    Submit(Box<SubmitArgs>),
+    /// Show jobs (from the job-event stream), like qstat.
+    Stat(StatArgs),
+    /// Cancel a running job (owner or root only).
+    Cancel {
+        /// Job id, or a unique prefix of it.
+        job_id: String,
+    },
+    /// Show pools: queued and running jobs, VMs and agents (from the controller).
+    Pools,
+    /// Admin: ask an agent to stop taking jobs and finish the running ones.
+    Drain {
+        /// Agent id (the VM's server name).
+        agent: String,
+    },
+}
+
+/// `vq submit` options; they override the script's `#PBS` directives.
+#[derive(Debug, Clone, Args)]
+pub struct SubmitArgs {
+    /// Job name.
+    #[arg(short = 'N', value_name = "NAME")]
+    pub name: Option<String>,
+    /// Pool (queue) [default: the script's #PBS -q, else "default"].
+    #[arg(short = 'q', value_name = "POOL")]
+    pub queue: Option<String>,
+    /// Stdout file (relative to the current directory).
+    #[arg(short = 'o', value_name = "PATH")]
+    pub stdout: Option<String>,
+    /// Stderr file (relative to the current directory).
+    #[arg(short = 'e', value_name = "PATH")]
+    pub stderr: Option<String>,
+    /// Join stdout and stderr: oe, eo or n.
+    #[arg(short = 'j', value_name = "oe|eo|n")]
+    pub join: Option<String>,
+    /// Resources, e.g. walltime=01:00:00 (only walltime is enforced).
+    #[arg(short = 'l', value_name = "RES=VAL[,..]")]
+    pub resources: Vec<String>,
+    /// Variables to export: VAR[=value][,..]; without a value, from this environment.
+    #[arg(short = 'v', value_name = "VARS")]
+    pub vars: Vec<String>,
+    /// Export the whole current environment (except VQ_* and broker secrets).
+    #[arg(short = 'V')]
+    pub export_all: bool,
+    /// Working directory of the job [default: the current directory].
+    #[arg(short = 'd', value_name = "DIR")]
+    pub workdir: Option<String>,
+    /// Shell (absolute path) [default: the owner's login shell].
+    #[arg(short = 'S', value_name = "SHELL")]
+    pub shell: Option<String>,
+    /// Rerunnable after a node loss: y or n [default: y].
+    #[arg(short = 'r', value_name = "y|n")]
+    pub rerunnable: Option<String>,
+    /// Attributes: umask=022, group_list=GROUP.
+    #[arg(short = 'W', value_name = "ATTR=VAL[,..]")]
+    pub attributes: Vec<String>,
+    /// Mail options (accepted and ignored: vq sends no mail).
+    #[arg(short = 'm', value_name = "abe", hide = true)]
+    pub mail_events: Option<String>,
+    /// Mail users (accepted and ignored).
+    #[arg(short = 'M', value_name = "USERS", hide = true)]
+    pub mail_users: Option<String>,
+    /// Account (accepted and ignored).
+    #[arg(short = 'A', value_name = "ACCOUNT", hide = true)]
+    pub account: Option<String>,
+    /// Wait for the job to end and exit with its exit status.
+    #[arg(long)]
+    pub wait: bool,
+    /// The job script, or - for stdin.
+    pub script: String,
+}
+
+impl SubmitArgs {
+    /// The options as [`Directives`], parsed with the same rules as `#PBS`
+    /// lines.
+    ///
+    /// # Errors
+    /// [`PbsError`] for an invalid value.
+    pub fn directives(&self) -> Result<Directives, PbsError> {
+        let mut d = Directives::default();
+        let single = [
+            ('N', &self.name),
+            ('q', &self.queue),
+            ('o', &self.stdout),
+            ('e', &self.stderr),
+            ('j', &self.join),
+            ('d', &self.workdir),
+            ('S', &self.shell),
+            ('r', &self.rerunnable),
+            ('m', &self.mail_events),
+            ('M', &self.mail_users),
+            ('A', &self.account),
+        ];
+        for (opt, value) in single {
+            if let Some(v) = value {
+                d.apply_option(opt, Some(v), None)?;
+            }
+        }
+        for (opt, values) in [
+            ('l', &self.resources),
+            ('v', &self.vars),
+            ('W', &self.attributes),
+        ] {
+            for v in values {
+                d.apply_option(opt, Some(v), None)?;
+            }
+        }
+        if self.export_all {
+            d.apply_option('V', None, None)?;
+        }
+        Ok(d)
+    }
+}
+
+/// `vq stat` options.
+#[derive(Debug, Clone, Args)]
+pub struct StatArgs {
+    /// Show every user's jobs.
+    #[arg(short = 'a', long = "all")]
+    pub all: bool,
+    /// Jobs to show (ids or unique prefixes).
+    pub job_ids: Vec<String>,
+}
+
+/// Resolves settings from the flags/environment in `global`, the config
+/// file, and the defaults.
+///
+/// # Errors
+/// [`CliError::Config`] or [`CliError::Read`].
+pub fn resolve_settings(global: &GlobalArgs) -> Result<Settings, CliError> {
+    let xdg = std::env::var("XDG_CONFIG_HOME").ok();
+    let home = std::env::var("HOME").ok();
+    let default_path = settings::default_config_path(xdg.as_deref(), home.as_deref());
+    let (file, origin) = settings::load_file(global.config.as_deref(), default_path)?;
+    Settings::resolve(
+        Overrides {
+            broker_url: global.broker_url.clone(),
+            cluster: global.cluster.clone(),
+            controller_url: global.controller_url.clone(),
+        },
+        file,
+        origin.as_deref(),
+    )
+}
+
+/// The invoking Unix user's name, and whether it is root.
+///
+/// # Errors
+/// [`CliError::Environment`] if the uid has no name.
+pub fn invoking_user() -> Result<(String, bool), CliError> {
+    let uid = nix::unistd::getuid();
+    let user = nix::unistd::User::from_uid(uid)
+        .map_err(|e| CliError::Environment {
+            what: format!("user name of uid {uid}"),
+            source: Some(Box::new(e)),
+        })?
+        .ok_or_else(|| CliError::Environment {
+            what: format!("user name of uid {uid} (not in the password database)"),
+            source: None,
+        })?;
+    Ok((user.name, uid.is_root()))
+}
+
+/// Runs one `vq` command; returns the process exit code.
+///
+/// # Errors
+/// [`CliError`]; its [`CliError::exit_code`] is the process exit code.
+pub async fn run(cli: Cli) -> Result<i32, CliError> {
+    let settings = resolve_settings(&cli.global)?;
+    match cli.command {
+        Command::Submit(args) => {
+            let flags = args.directives().map_err(CliError::Option)?;
+            submit::run(&settings, &args.script, flags, args.wait).await
+        }
+        Command::Stat(args) => stat::run(&settings, args.all, args.job_ids).await,
+        Command::Cancel { job_id } => control::run_cancel(&settings, &job_id).await,
+        Command::Pools => pools::run(&settings).await,
+        Command::Drain { agent } => control::run_drain(&settings, &agent).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qsub_style_options_parse_into_directives() {
+        let cli = Cli::try_parse_from([
+            "vq",
+            "--cluster",
+            "c1",
+            "submit",
+            "-N",
+            "x",
+            "-q",
+            "cms",
+            "-l",
+            "walltime=1:00",
+            "-l",
+            "mem=1gb",
+            "-v",
+            "A=1",
+            "-V",
+            "-j",
+            "oe",
+            "-r",
+            "n",
+            "-W",
+            "umask=077",
+            "--wait",
+            "job.sh",
+        ])
+        .unwrap();
+        assert_eq!(cli.global.cluster.as_deref(), Some("c1"));
+        let Command::Submit(args) = cli.command else {
+            panic!("not submit")
+        };
+        assert!(args.wait);
+        assert_eq!(args.script, "job.sh");
+        let d = args.directives().unwrap();
+        assert_eq!(d.name.as_deref(), Some("x"));
+        assert_eq!(d.walltime, Some(60));
+        assert!(d.export_all);
+        assert_eq!(d.rerunnable, Some(false));
+        assert_eq!(d.umask, Some(0o77));
+        assert_eq!(d.resources.len(), 1);
+    }
+
+    #[test]
+    fn bad_option_values_are_refused_like_directives() {
+        let cli = Cli::try_parse_from(["vq", "submit", "-l", "walltime=xx", "-"]).unwrap();
+        let Command::Submit(args) = cli.command else {
+            panic!("not submit")
+        };
+        assert!(matches!(args.directives(), Err(PbsError::Walltime { .. })));
+    }
+
+    #[test]
+    fn global_options_may_follow_the_command() {
+        let cli = Cli::try_parse_from(["vq", "stat", "-a", "--cluster", "c2", "j1"]).unwrap();
+        assert_eq!(cli.global.cluster.as_deref(), Some("c2"));
+        let Command::Stat(a) = cli.command else {
+            panic!("not stat")
+        };
+        assert!(a.all);
+        assert_eq!(a.job_ids, ["j1"]);
+    }
+}

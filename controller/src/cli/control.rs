@@ -1,0 +1,182 @@
+//! `vq cancel` and `vq drain`: control messages to one agent.
+//!
+//! Control messages go to the control exchange with routing key = agent id,
+//! mandatory (an agent that is not connected has no control queue, so the
+//! message comes back unroutable), with a publisher confirm, and with the
+//! broker-validated `user_id` so that the agent can check who asked.
+
+use std::time::Duration;
+
+use vq_common::amqp::{self, AmqpError};
+use vq_common::messages::{Control, Message};
+use vq_common::topology::Topology;
+
+use super::error::{amqp_reply_code, CliError, NOT_FOUND};
+use super::events::{find_job, read_job_events, summarize, JobSummary, StatState};
+use super::settings::Settings;
+
+/// Checks that `user` may cancel `job` and that it is running; returns the
+/// agent to send the cancel to.
+///
+/// # Errors
+/// [`CliError::NotOwner`] unless `user` owns the job or `is_root`;
+/// [`CliError::NotRunning`] if the job ended.
+pub fn cancel_target<'a>(
+    job: &'a JobSummary,
+    user: &str,
+    is_root: bool,
+) -> Result<&'a str, CliError> {
+    if !is_root && job.owner != user {
+        return Err(CliError::NotOwner {
+            job_id: job.id.clone(),
+            owner: job.owner.clone(),
+            user: user.to_string(),
+        });
+    }
+    if job.state != StatState::Running || job.agent.is_empty() {
+        return Err(CliError::NotRunning {
+            job_id: job.id.clone(),
+            state: format!("{} {}", job.state.letter(), job.state.word()),
+        });
+    }
+    Ok(&job.agent)
+}
+
+/// Publishes `msg` to `agent`'s control queue.
+///
+/// # Errors
+/// [`CliError::NoSuchAgent`] if the agent is not connected,
+/// [`CliError::NoSuchCluster`] if the control exchange does not exist,
+/// [`CliError::Broker`] otherwise.
+pub async fn send_control(
+    conn: &lapin::Connection,
+    settings: &Settings,
+    agent: &str,
+    msg: &Control,
+) -> Result<(), CliError> {
+    let topo = Topology::new(&settings.cluster);
+    let ch = amqp::confirm_channel(conn)
+        .await
+        .map_err(CliError::broker("open a channel"))?;
+    let props =
+        amqp::json_properties::<Control>().with_user_id(settings.broker_user().as_str().into());
+    let exchange = topo.control_exchange();
+    let res = amqp::publish_confirmed(
+        &ch,
+        &exchange,
+        agent,
+        &msg.encode(),
+        props,
+        true,
+        Duration::from_secs(settings.broker.confirm_timeout_secs),
+    )
+    .await;
+    match res {
+        Ok(()) => Ok(()),
+        Err(AmqpError::Unroutable { .. }) => Err(CliError::NoSuchAgent {
+            agent: agent.to_string(),
+            cluster: settings.cluster.clone(),
+        }),
+        Err(e) if amqp_reply_code(&e) == Some(NOT_FOUND) => Err(CliError::NoSuchCluster {
+            cluster: settings.cluster.clone(),
+            exchange,
+        }),
+        Err(source) => Err(CliError::Broker {
+            action: format!("send a control message to agent {agent:?}"),
+            source: Box::new(source),
+        }),
+    }
+}
+
+/// What `vq cancel JOB_ID` does.
+///
+/// # Errors
+/// [`CliError`].
+pub async fn run_cancel(settings: &Settings, job_id: &str) -> Result<i32, CliError> {
+    let (user, is_root) = super::invoking_user()?;
+    let topo = Topology::new(&settings.cluster);
+    let conn = amqp::connect(&settings.broker, "vq cancel")
+        .await
+        .map_err(CliError::broker("connect to the broker"))?;
+    let result = async {
+        let events = read_job_events(&conn, &topo)
+            .await?
+            .ok_or_else(|| CliError::UnknownJob {
+                job_id: job_id.to_string(),
+            })?;
+        let jobs = summarize(&events);
+        let job = find_job(&jobs, job_id)?;
+        let agent = cancel_target(job, &user, is_root)?;
+        let msg = Control::Cancel {
+            job_id: job.id.clone(),
+        };
+        send_control(&conn, settings, agent, &msg).await?;
+        tracing::info!(job_id = %job.id, agent, "cancel sent");
+        println!("cancel of job {} sent to agent {agent}", job.id);
+        Ok(0)
+    }
+    .await;
+    let _ = conn.close(200, "bye".into()).await;
+    result
+}
+
+/// What `vq drain AGENT` does: the agent stops pulling, finishes its jobs and
+/// reports `drained`.
+///
+/// # Errors
+/// [`CliError`].
+pub async fn run_drain(settings: &Settings, agent: &str) -> Result<i32, CliError> {
+    if !vq_common::topology::valid_name(agent) {
+        return Err(CliError::NoSuchAgent {
+            agent: agent.to_string(),
+            cluster: settings.cluster.clone(),
+        });
+    }
+    let conn = amqp::connect(&settings.broker, "vq drain")
+        .await
+        .map_err(CliError::broker("connect to the broker"))?;
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let msg = Control::Drain {
+        request_id: request_id.clone(),
+    };
+    let result = send_control(&conn, settings, agent, &msg).await;
+    let _ = conn.close(200, "bye".into()).await;
+    result?;
+    tracing::info!(agent, request_id, "drain sent");
+    println!("drain request {request_id} sent to agent {agent}");
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use vq_common::messages::{JobState, Outcome, Usage};
+
+    use super::super::events::tests::ev;
+    use super::*;
+
+    #[test]
+    fn only_the_owner_or_root_cancels_a_running_job() {
+        let running = summarize(&[ev("j", "alice", "ag1", 1.0, JobState::Started)]);
+        assert_eq!(cancel_target(&running[0], "alice", false).unwrap(), "ag1");
+        assert_eq!(cancel_target(&running[0], "root", true).unwrap(), "ag1");
+        assert!(matches!(
+            cancel_target(&running[0], "bob", false),
+            Err(CliError::NotOwner { .. })
+        ));
+        let done = summarize(&[
+            ev("j", "alice", "ag1", 1.0, JobState::Started),
+            ev(
+                "j",
+                "alice",
+                "ag1",
+                2.0,
+                JobState::Finished {
+                    outcome: Outcome::Exited { code: 0 },
+                    usage: Usage::default(),
+                },
+            ),
+        ]);
+        let err = cancel_target(&done[0], "alice", false).unwrap_err();
+        assert!(err.to_string().contains("C completed"), "{err}");
+    }
+}

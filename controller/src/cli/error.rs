@@ -1,0 +1,211 @@
+//! Errors of the `vq` CLI and their exit codes.
+
+use vq_common::amqp::AmqpError;
+use vq_common::pbs::PbsError;
+
+use super::submit::SubmitError;
+
+/// Exit code for bad usage or bad input (`EX_USAGE`).
+pub const EXIT_USAGE: i32 = 64;
+/// Exit code when the broker or the controller cannot be reached
+/// (`EX_UNAVAILABLE`).
+pub const EXIT_UNAVAILABLE: i32 = 69;
+/// Exit code for any other failure.
+pub const EXIT_OTHER: i32 = 1;
+
+/// A failed `vq` command.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The CLI configuration (flags, environment, config file) is invalid.
+    #[error("invalid vq configuration{}: {problem}", origin.as_deref().map(|o| format!(" in {o}")).unwrap_or_default())]
+    Config {
+        /// The config file, if the problem is in one.
+        origin: Option<String>,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A file (config or script) could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file (`-` for stdin).
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The job could not be built from the script and options.
+    #[error("cannot submit job")]
+    Submit(#[from] SubmitError),
+    /// A command-line value is invalid (e.g. a bad `-l` list).
+    #[error("invalid option")]
+    Option(#[source] PbsError),
+    /// Facts about the submitting user or host could not be found.
+    #[error("cannot determine the {what}")]
+    Environment {
+        /// What, e.g. `current directory`.
+        what: String,
+        /// Cause, if any.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A broker operation failed.
+    #[error("cannot {action}")]
+    Broker {
+        /// What was being done, e.g. `submit job to pool "cms"`.
+        action: String,
+        /// Cause (boxed: lapin errors are large).
+        #[source]
+        source: Box<AmqpError>,
+    },
+    /// The pool has no queue on the broker.
+    #[error("no pool named {pool:?} on cluster {cluster:?} (no queue {cluster}.jobs.{pool})")]
+    NoSuchPool {
+        /// Pool.
+        pool: String,
+        /// Cluster.
+        cluster: String,
+    },
+    /// The cluster's exchanges do not exist on the broker.
+    #[error("no cluster named {cluster:?} on the broker (exchange {exchange:?} does not exist); check --cluster, or start the controller, which declares it")]
+    NoSuchCluster {
+        /// Cluster.
+        cluster: String,
+        /// The missing exchange.
+        exchange: String,
+    },
+    /// No connected agent has this id.
+    #[error("no agent named {agent:?} is connected to cluster {cluster:?}")]
+    NoSuchAgent {
+        /// Agent id.
+        agent: String,
+        /// Cluster.
+        cluster: String,
+    },
+    /// No event names the job.
+    #[error("unknown job id {job_id:?} (vq only knows jobs that started in the last 7 days)")]
+    UnknownJob {
+        /// The id as given.
+        job_id: String,
+    },
+    /// A job-id prefix matches several jobs.
+    #[error("job id {job_id:?} is ambiguous: it matches {}", matches.join(", "))]
+    AmbiguousJob {
+        /// The prefix as given.
+        job_id: String,
+        /// The matching ids.
+        matches: Vec<String>,
+    },
+    /// The job is not running, so it cannot be cancelled.
+    #[error("job {job_id} is not running (state {state})")]
+    NotRunning {
+        /// Job id.
+        job_id: String,
+        /// Its state letter and meaning.
+        state: String,
+    },
+    /// Only the owner (or root) may act on a job.
+    #[error("job {job_id} belongs to {owner:?}, not to {user:?}")]
+    NotOwner {
+        /// Job id.
+        job_id: String,
+        /// Job owner.
+        owner: String,
+        /// The invoking user.
+        user: String,
+    },
+    /// A broker message could not be decoded.
+    #[error("cannot decode {what}")]
+    Decode {
+        /// What.
+        what: String,
+        /// Cause.
+        #[source]
+        source: vq_common::messages::DecodeError,
+    },
+    /// The controller's status page could not be fetched.
+    #[error("cannot fetch the controller status from {url}")]
+    Controller {
+        /// URL.
+        url: String,
+        /// Cause.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The controller answered with something other than a status document.
+    #[error("unexpected answer from the controller at {url}: {problem}")]
+    ControllerAnswer {
+        /// URL.
+        url: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The connection was lost while waiting for the job (`--wait`).
+    #[error("lost the event subscription while waiting for job {job_id}; the job may still run (see vq stat)")]
+    WaitInterrupted {
+        /// Job id.
+        job_id: String,
+    },
+}
+
+impl CliError {
+    /// Process exit code: 64 for bad usage or input, 69 when the broker or
+    /// controller is unavailable, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Config { .. }
+            | CliError::Read { .. }
+            | CliError::Submit(_)
+            | CliError::Option(_)
+            | CliError::NoSuchPool { .. }
+            | CliError::NoSuchCluster { .. }
+            | CliError::NoSuchAgent { .. }
+            | CliError::UnknownJob { .. }
+            | CliError::AmbiguousJob { .. } => EXIT_USAGE,
+            CliError::Broker { source, .. } => match **source {
+                AmqpError::Connect { .. }
+                | AmqpError::Timeout { .. }
+                | AmqpError::CaFile { .. } => EXIT_UNAVAILABLE,
+                _ => EXIT_OTHER,
+            },
+            CliError::Controller { .. } => EXIT_UNAVAILABLE,
+            CliError::Environment { .. }
+            | CliError::NotRunning { .. }
+            | CliError::NotOwner { .. }
+            | CliError::Decode { .. }
+            | CliError::ControllerAnswer { .. }
+            | CliError::WaitInterrupted { .. } => EXIT_OTHER,
+        }
+    }
+
+    pub(crate) fn broker(action: impl Into<String>) -> impl FnOnce(AmqpError) -> CliError {
+        let action = action.into();
+        move |source| CliError::Broker {
+            action,
+            source: Box::new(source),
+        }
+    }
+}
+
+/// The AMQP reply code (e.g. 404 NOT_FOUND, 403 ACCESS_REFUSED) of a broker
+/// error that the broker sent, if any.
+pub fn amqp_reply_code(err: &AmqpError) -> Option<u16> {
+    let source = match err {
+        AmqpError::Connect { source, .. }
+        | AmqpError::Declare { source, .. }
+        | AmqpError::Op { source, .. } => source,
+        _ => return None,
+    };
+    lapin_reply_code(source)
+}
+
+/// The AMQP reply code of a lapin error, if the broker sent one.
+pub fn lapin_reply_code(err: &lapin::Error) -> Option<u16> {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+        lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Error, _) => None,
+        _ => None,
+    }
+}
+
+/// AMQP reply code NOT_FOUND.
+pub const NOT_FOUND: u16 = 404;

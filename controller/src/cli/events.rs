@@ -1,0 +1,381 @@
+//! Reading the job-event stream `<cluster>.events.log` and folding it into
+//! one summary per job (used by `vq stat` and `vq cancel`).
+//!
+//! The stream is a RabbitMQ stream queue (3.9+): it is consumed from its
+//! first retained message (`x-stream-offset = first`) with a prefetch and
+//! manual acks (the broker requires both), until no message arrives for a
+//! short idle time. Reading never removes anything.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use vq_common::amqp::AmqpError;
+use vq_common::messages::{JobEvent, JobState, Message, Outcome};
+use vq_common::topology::Topology;
+
+use super::error::{lapin_reply_code, CliError, NOT_FOUND};
+
+/// Prefetch of the stream consumer (messages).
+pub const STREAM_PREFETCH: u16 = 1000;
+
+/// The stream is read until no message arrives for this long.
+pub const STREAM_IDLE: Duration = Duration::from_millis(500);
+
+/// Upper bound of one read of the stream, whatever its size.
+pub const STREAM_READ_LIMIT: Duration = Duration::from_secs(60);
+
+/// Reads every retained job event. Returns `None` if the stream does not
+/// exist (no controller has declared the topology yet).
+///
+/// # Errors
+/// [`CliError::Broker`].
+pub async fn read_job_events(
+    conn: &lapin::Connection,
+    topo: &Topology,
+) -> Result<Option<Vec<JobEvent>>, CliError> {
+    let queue = topo.event_log_queue();
+    let op = |what: &'static str| {
+        move |source| CliError::Broker {
+            action: format!("read the job-event stream {}", topo.event_log_queue()),
+            source: Box::new(AmqpError::Op {
+                what: what.into(),
+                source,
+            }),
+        }
+    };
+    // Passive declare on its own channel: NOT_FOUND closes that channel.
+    let probe = conn.create_channel().await.map_err(op("channel.open"))?;
+    let declared = probe
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => return Ok(None),
+        Err(e) => return Err(op("queue.declare passive")(e)),
+        Ok(_) => {
+            let _ = probe.close(200, "ok".into()).await;
+        }
+    }
+
+    let ch = conn.create_channel().await.map_err(op("channel.open"))?;
+    ch.basic_qos(STREAM_PREFETCH, BasicQosOptions::default())
+        .await
+        .map_err(op("basic.qos"))?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-stream-offset".into(),
+        AMQPValue::LongString(LongString::from("first")),
+    );
+    let mut consumer = ch
+        .basic_consume(
+            queue.as_str().into(),
+            "vq-stat".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .map_err(op("basic.consume"))?;
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + STREAM_READ_LIMIT;
+    let mut unacked = 0u32;
+    loop {
+        let wait = STREAM_IDLE.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        let next = match tokio::time::timeout(wait, consumer.next()).await {
+            Err(_) | Ok(None) => break,
+            Ok(Some(d)) => d.map_err(op("basic.deliver"))?,
+        };
+        unacked += 1;
+        // Streams need acks to grant credit; ack in batches.
+        if unacked >= u32::from(STREAM_PREFETCH) / 2 {
+            next.ack(BasicAckOptions { multiple: true })
+                .await
+                .map_err(op("basic.ack"))?;
+            unacked = 0;
+        }
+        match JobEvent::decode(&next.data) {
+            Ok(ev) => events.push(ev),
+            Err(e) => tracing::debug!(error = %e, "skipping undecodable event"),
+        }
+    }
+    let _ = ch.close(200, "done".into()).await;
+    Ok(Some(events))
+}
+
+/// State of a job as `qstat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatState {
+    /// `R`: started, no end seen.
+    Running,
+    /// `C`: completed (exited, signalled, walltime or output limit).
+    Completed,
+    /// `F`: failed (rejected, failed to start, node lost).
+    Failed,
+    /// `X`: cancelled.
+    Cancelled,
+}
+
+impl StatState {
+    /// The one-letter code.
+    pub fn letter(self) -> char {
+        match self {
+            StatState::Running => 'R',
+            StatState::Completed => 'C',
+            StatState::Failed => 'F',
+            StatState::Cancelled => 'X',
+        }
+    }
+
+    /// The word for messages.
+    pub fn word(self) -> &'static str {
+        match self {
+            StatState::Running => "running",
+            StatState::Completed => "completed",
+            StatState::Failed => "failed",
+            StatState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What the events say about one job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobSummary {
+    /// Job id.
+    pub id: String,
+    /// Job name.
+    pub name: String,
+    /// Owner.
+    pub owner: String,
+    /// Pool.
+    pub pool: String,
+    /// Agent of the latest event (the one running it, if running).
+    pub agent: String,
+    /// Current state.
+    pub state: StatState,
+    /// PBS exit status once ended (see `Outcome::exit_status`).
+    pub exit: Option<i32>,
+    /// Start time, Unix seconds (latest `started`).
+    pub started_at: Option<f64>,
+    /// End time, Unix seconds.
+    pub ended_at: Option<f64>,
+    /// Wall time reported by the agent, seconds.
+    pub wall_secs: Option<f64>,
+    /// Failure reason, if failed.
+    pub reason: Option<String>,
+}
+
+impl JobSummary {
+    /// Elapsed run time at `now` (Unix seconds): the agent's wall time when
+    /// ended, else `now - started`.
+    pub fn elapsed(&self, now: f64) -> Option<u64> {
+        let secs = match (self.wall_secs, self.started_at, self.ended_at) {
+            (Some(w), _, _) => w,
+            (None, Some(s), Some(e)) => e - s,
+            (None, Some(s), None) => now - s,
+            _ => return None,
+        };
+        Some(secs.max(0.0).round() as u64)
+    }
+}
+
+/// Folds events (in stream order) into one summary per job, in order of
+/// first appearance. A later `started` (a rerun after a node loss) reopens
+/// the job.
+pub fn summarize(events: &[JobEvent]) -> Vec<JobSummary> {
+    let mut order: Vec<String> = Vec::new();
+    let mut by_id: std::collections::HashMap<String, JobSummary> = Default::default();
+    for ev in events {
+        let s = by_id.entry(ev.job_id.clone()).or_insert_with(|| {
+            order.push(ev.job_id.clone());
+            JobSummary {
+                id: ev.job_id.clone(),
+                name: ev.job_name.clone(),
+                owner: ev.owner.clone(),
+                pool: ev.pool.clone(),
+                agent: String::new(),
+                state: StatState::Running,
+                exit: None,
+                started_at: None,
+                ended_at: None,
+                wall_secs: None,
+                reason: None,
+            }
+        });
+        if !ev.job_name.is_empty() {
+            s.name = ev.job_name.clone();
+        }
+        if !ev.owner.is_empty() {
+            s.owner = ev.owner.clone();
+        }
+        if !ev.agent.is_empty() {
+            s.agent = ev.agent.clone();
+        }
+        match &ev.state {
+            JobState::Started => {
+                s.state = StatState::Running;
+                s.started_at = Some(ev.at);
+                s.ended_at = None;
+                s.exit = None;
+                s.wall_secs = None;
+                s.reason = None;
+            }
+            JobState::Finished { outcome, usage } => {
+                s.state = match outcome {
+                    Outcome::Cancelled => StatState::Cancelled,
+                    Outcome::FailedToStart { reason } => {
+                        s.reason = Some(reason.clone());
+                        StatState::Failed
+                    }
+                    _ => StatState::Completed,
+                };
+                s.exit = Some(outcome.exit_status());
+                s.ended_at = Some(ev.at);
+                s.wall_secs = Some(usage.wall_secs);
+            }
+            JobState::Failed { reason } => {
+                s.state = StatState::Failed;
+                s.reason = Some(reason.clone());
+                s.ended_at = Some(ev.at);
+            }
+        }
+    }
+    order
+        .into_iter()
+        .filter_map(|id| by_id.remove(&id))
+        .collect()
+}
+
+/// Finds the job `wanted` names: the exact id, else the unique job whose id
+/// starts with `wanted` (so the short `<uuid-prefix>` works).
+///
+/// # Errors
+/// [`CliError::UnknownJob`] or [`CliError::AmbiguousJob`].
+pub fn find_job<'a>(jobs: &'a [JobSummary], wanted: &str) -> Result<&'a JobSummary, CliError> {
+    if let Some(j) = jobs.iter().find(|j| j.id == wanted) {
+        return Ok(j);
+    }
+    let matches: Vec<&JobSummary> = jobs.iter().filter(|j| j.id.starts_with(wanted)).collect();
+    match matches.as_slice() {
+        [one] if !wanted.is_empty() => Ok(one),
+        [] | [_] => Err(CliError::UnknownJob {
+            job_id: wanted.to_string(),
+        }),
+        many => Err(CliError::AmbiguousJob {
+            job_id: wanted.to_string(),
+            matches: many.iter().map(|j| j.id.clone()).collect(),
+        }),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use vq_common::messages::{Usage, SCHEMA_VERSION};
+
+    use super::*;
+
+    pub(crate) fn ev(id: &str, owner: &str, agent: &str, at: f64, state: JobState) -> JobEvent {
+        JobEvent {
+            schema: SCHEMA_VERSION,
+            job_id: id.into(),
+            job_name: format!("n-{id}"),
+            owner: owner.into(),
+            pool: "p".into(),
+            agent: agent.into(),
+            at,
+            state,
+        }
+    }
+
+    fn fin(outcome: Outcome, wall: f64) -> JobState {
+        JobState::Finished {
+            outcome,
+            usage: Usage {
+                wall_secs: wall,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn events_fold_into_one_line_per_job() {
+        let events = vec![
+            ev("a", "alice", "ag1", 100.0, JobState::Started),
+            ev("b", "bob", "ag2", 101.0, JobState::Started),
+            ev(
+                "a",
+                "alice",
+                "ag1",
+                110.0,
+                fin(Outcome::Exited { code: 2 }, 9.6),
+            ),
+            ev(
+                "c",
+                "carol",
+                "ag1",
+                120.0,
+                JobState::Failed {
+                    reason: "no user".into(),
+                },
+            ),
+            ev("b", "bob", "ag2", 130.0, fin(Outcome::Cancelled, 29.0)),
+            ev("d", "dave", "ag3", 140.0, JobState::Started),
+        ];
+        let s = summarize(&events);
+        let ids: Vec<_> = s.iter().map(|j| j.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c", "d"]);
+        let letters: String = s.iter().map(|j| j.state.letter()).collect();
+        assert_eq!(letters, "CXFR");
+        assert_eq!(s[0].exit, Some(2));
+        assert_eq!(s[0].elapsed(1000.0), Some(10));
+        assert_eq!(s[1].exit, Some(-12));
+        assert_eq!(s[2].reason.as_deref(), Some("no user"));
+        assert_eq!(s[3].elapsed(150.0), Some(10));
+        assert_eq!(s[3].agent, "ag3");
+    }
+
+    #[test]
+    fn a_rerun_reopens_the_job_on_its_new_agent() {
+        let events = vec![
+            ev("a", "alice", "ag1", 100.0, JobState::Started),
+            ev("a", "alice", "ag2", 200.0, JobState::Started),
+        ];
+        let s = summarize(&events);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].agent, "ag2");
+        assert_eq!(s[0].state, StatState::Running);
+    }
+
+    #[test]
+    fn jobs_are_found_by_id_or_unique_prefix() {
+        let s = summarize(&[
+            ev("abc1.vq", "u", "x", 1.0, JobState::Started),
+            ev("abc2.vq", "u", "x", 1.0, JobState::Started),
+            ev("abc", "u", "x", 1.0, JobState::Started),
+        ]);
+        assert_eq!(find_job(&s, "abc").unwrap().id, "abc");
+        assert_eq!(find_job(&s, "abc1").unwrap().id, "abc1.vq");
+        assert!(matches!(
+            find_job(&s, "abc."),
+            Err(CliError::UnknownJob { .. })
+        ));
+        assert!(matches!(
+            find_job(&s, ""),
+            Err(CliError::AmbiguousJob { .. })
+        ));
+        let s = summarize(&[
+            ev("abc1.vq", "u", "x", 1.0, JobState::Started),
+            ev("abc2.vq", "u", "x", 1.0, JobState::Started),
+        ]);
+        assert!(matches!(
+            find_job(&s, "abc"),
+            Err(CliError::AmbiguousJob { .. })
+        ));
+    }
+}

@@ -1,0 +1,869 @@
+//! `vq submit`: build a [`Job`] from a script's `#PBS` directives and
+//! `qsub`-style options, publish it to the pool queue, print its id.
+//!
+//! Semantics (Torque `qsub`, adapted):
+//!
+//! * command-line options override script directives;
+//! * the job runs in `-d DIR` if given, else in the submit directory (Torque
+//!   would use `$HOME` and leave the submit directory in `PBS_O_WORKDIR`;
+//!   vq starts the job where it was submitted, which is what scripts that
+//!   `cd $PBS_O_WORKDIR` expect anyway, on a shared file system);
+//! * stdout/stderr default to `<submit dir>/<name>.o<seq>` and `.e<seq>`;
+//!   relative `-o`/`-e` paths are relative to the submit directory, and a
+//!   path naming a directory (existing, or ending in `/`) gets the default
+//!   file name inside it;
+//! * the job name defaults to the script's file name (`STDIN` for stdin);
+//! * `-V` copies the submit environment except `VQ_*` variables and any
+//!   variable whose value contains the broker URL (it holds a password, and
+//!   the job message is readable by the pool's agents); `-v` variables are
+//!   added on top, and the `PBS_O_*` set last;
+//! * the owner is always the invoking Unix user; the broker validates the
+//!   message's `user_id` (the broker user) and the agent decides whether
+//!   that broker user may submit for that owner.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use vq_common::amqp::{self, AmqpError};
+use vq_common::messages::{
+    Job, JobEvent, JobState, Message, Outcome, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES,
+    SCHEMA_VERSION,
+};
+use vq_common::pbs::{self, Directives, PbsError, VarValue, Warning};
+use vq_common::topology::{job_event_key, Topology};
+
+use super::error::{amqp_reply_code, CliError, NOT_FOUND};
+use super::settings::Settings;
+
+/// Pool used when neither `-q` nor `#PBS -q` names one.
+pub const DEFAULT_POOL: &str = "default";
+
+/// Why a job could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The script is larger than [`MAX_SCRIPT_BYTES`].
+    #[error("the script is {size} bytes, larger than the limit of {limit} bytes (keep large files on a shared file system)")]
+    ScriptTooLarge {
+        /// Size, bytes (at least; reading stops past the limit).
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
+    },
+    /// The script is not UTF-8 text.
+    #[error("the script is not UTF-8 text")]
+    ScriptNotText,
+    /// The script has nothing but blanks.
+    #[error("the script is empty")]
+    EmptyScript,
+    /// A `#PBS` directive is invalid.
+    #[error("invalid #PBS directive in {script}")]
+    Directive {
+        /// Script name.
+        script: String,
+        /// The problem, with its line.
+        #[source]
+        source: PbsError,
+    },
+    /// The encoded job is larger than [`MAX_JOB_MESSAGE_BYTES`] (usually a
+    /// huge `-V` environment).
+    #[error("the job message is {size} bytes, larger than the limit of {limit} bytes (is the -V environment huge?)")]
+    JobTooLarge {
+        /// Size, bytes.
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
+    },
+}
+
+/// Facts about the submission that do not come from the script or options.
+#[derive(Debug, Clone)]
+pub struct SubmitContext {
+    /// The new job's id.
+    pub job_id: String,
+    /// Invoking Unix user (the job owner).
+    pub user: String,
+    /// The user's home directory (from the password database).
+    pub home: String,
+    /// The user's login shell (from the password database).
+    pub login_shell: String,
+    /// Absolute submit directory.
+    pub submit_dir: String,
+    /// Submit host name.
+    pub host: String,
+    /// Submit environment.
+    pub env: BTreeMap<String, String>,
+    /// Submission time, Unix seconds.
+    pub now: u64,
+    /// Broker URL; variables holding it are not copied by `-V`.
+    pub broker_url: String,
+    /// Whether a path is an existing directory on the submit host (for
+    /// `-o`/`-e` naming a directory).
+    pub is_dir: fn(&Path) -> bool,
+}
+
+/// A job built from a script, plus what the user should be told.
+#[derive(Debug, Clone)]
+pub struct Built {
+    /// The job.
+    pub job: Job,
+    /// Directives and options accepted but not (fully) honoured.
+    pub warnings: Vec<Warning>,
+}
+
+/// Builds the job from `script` (named `script_name`, `-` for stdin), the
+/// command-line options `flags`, and `ctx`. Pure apart from `ctx.is_dir`.
+///
+/// # Errors
+/// [`SubmitError`].
+pub fn build_job(
+    script: &[u8],
+    script_name: &str,
+    flags: Directives,
+    ctx: &SubmitContext,
+) -> Result<Built, SubmitError> {
+    if script.len() > MAX_SCRIPT_BYTES {
+        return Err(SubmitError::ScriptTooLarge {
+            size: script.len(),
+            limit: MAX_SCRIPT_BYTES,
+        });
+    }
+    let text = std::str::from_utf8(script).map_err(|_| SubmitError::ScriptNotText)?;
+    if text.trim().is_empty() {
+        return Err(SubmitError::EmptyScript);
+    }
+    let from_script = pbs::parse_script(text).map_err(|source| SubmitError::Directive {
+        script: if script_name == "-" {
+            "the script read from stdin".to_string()
+        } else {
+            script_name.to_string()
+        },
+        source,
+    })?;
+    let d = from_script.overridden_by(flags);
+    let mut warnings = d.warnings.clone();
+
+    let name = match &d.name {
+        Some(n) => n.clone(),
+        None if script_name == "-" => "STDIN".to_string(),
+        None => pbs::sanitize_job_name(
+            Path::new(script_name)
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default()
+                .as_str(),
+        ),
+    };
+    let pool = d.queue.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
+    let submit_dir = ctx.submit_dir.clone();
+    let workdir = match &d.workdir {
+        Some(w) => absolute(&submit_dir, w),
+        None => submit_dir.clone(),
+    };
+
+    let mut job = Job {
+        schema: SCHEMA_VERSION,
+        id: ctx.job_id.clone(),
+        name,
+        owner: ctx.user.clone(),
+        group: d.group.clone(),
+        pool: pool.clone(),
+        script: text.to_string(),
+        shell: d.shell.clone(),
+        workdir: Some(workdir),
+        env: BTreeMap::new(),
+        stdout: None,
+        stderr: None,
+        join: d.join.unwrap_or_default(),
+        walltime: d.walltime,
+        rerunnable: d.rerunnable.unwrap_or(true),
+        umask: d.umask,
+        submit_host: ctx.host.clone(),
+        submitted_at: ctx.now,
+    };
+    let default_out = job.default_stdout(&submit_dir);
+    let default_err = job.default_stderr(&submit_dir);
+    job.stdout = Some(output_path(
+        &submit_dir,
+        d.stdout.as_deref(),
+        &default_out,
+        ctx.is_dir,
+    ));
+    job.stderr = Some(output_path(
+        &submit_dir,
+        d.stderr.as_deref(),
+        &default_err,
+        ctx.is_dir,
+    ));
+    job.env = environment(&d, ctx, &pool, &mut warnings);
+
+    let size = job.encode().len();
+    if size > MAX_JOB_MESSAGE_BYTES {
+        return Err(SubmitError::JobTooLarge {
+            size,
+            limit: MAX_JOB_MESSAGE_BYTES,
+        });
+    }
+    Ok(Built { job, warnings })
+}
+
+/// The job environment: `-V` copy, then `-v` variables, then `PBS_O_*`.
+fn environment(
+    d: &Directives,
+    ctx: &SubmitContext,
+    pool: &str,
+    warnings: &mut Vec<Warning>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    if d.export_all {
+        for (k, v) in &ctx.env {
+            let secret =
+                k.starts_with("VQ_") || (!ctx.broker_url.is_empty() && v.contains(&ctx.broker_url));
+            if !secret && pbs::valid_var_name(k) {
+                env.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    for (k, v) in &d.vars {
+        let value = match v {
+            VarValue::Given(s) => s.clone(),
+            VarValue::FromEnvironment => match ctx.env.get(k) {
+                Some(s) => s.clone(),
+                None => {
+                    warnings.push(Warning {
+                        line: None,
+                        message: format!(
+                            "-v {k}: not set in the submit environment, exported empty"
+                        ),
+                    });
+                    String::new()
+                }
+            },
+        };
+        env.insert(k.clone(), value);
+    }
+    let get = |k: &str| ctx.env.get(k).filter(|v| !v.is_empty()).cloned();
+    env.insert(
+        "PBS_O_HOME".into(),
+        get("HOME").unwrap_or_else(|| ctx.home.clone()),
+    );
+    env.insert(
+        "PBS_O_LOGNAME".into(),
+        get("LOGNAME").unwrap_or_else(|| ctx.user.clone()),
+    );
+    env.insert(
+        "PBS_O_SHELL".into(),
+        get("SHELL").unwrap_or_else(|| ctx.login_shell.clone()),
+    );
+    env.insert("PBS_O_HOST".into(), ctx.host.clone());
+    env.insert("PBS_O_WORKDIR".into(), ctx.submit_dir.clone());
+    env.insert("PBS_O_QUEUE".into(), pool.to_string());
+    if let Some(p) = get("PATH") {
+        env.insert("PBS_O_PATH".into(), p);
+    }
+    for (var, from) in [
+        ("PBS_O_LANG", "LANG"),
+        ("PBS_O_MAIL", "MAIL"),
+        ("PBS_O_TZ", "TZ"),
+    ] {
+        if let Some(v) = get(from) {
+            env.insert(var.into(), v);
+        }
+    }
+    if let Some(w) = &d.workdir {
+        env.insert("PBS_O_INITDIR".into(), absolute(&ctx.submit_dir, w));
+    }
+    env
+}
+
+/// Resolves an `-o`/`-e` value: absolute against `base`; a directory gets the
+/// default file name inside it.
+fn output_path(
+    base: &str,
+    given: Option<&str>,
+    default: &str,
+    is_dir: fn(&Path) -> bool,
+) -> String {
+    let Some(given) = given else {
+        return default.to_string();
+    };
+    let path = absolute(base, given);
+    if given.ends_with('/') || is_dir(Path::new(&path)) {
+        let file = default.rsplit('/').next().unwrap_or(default);
+        format!("{}/{file}", path.trim_end_matches('/'))
+    } else {
+        path
+    }
+}
+
+/// `path` made absolute against `base` and lexically normalised (`.` and
+/// `..` removed; `..` at the root stays at the root).
+pub fn absolute(base: &str, path: &str) -> String {
+    let joined = Path::new(base).join(path);
+    let mut out = PathBuf::from("/");
+    for c in joined.components() {
+        match c {
+            Component::Normal(p) => out.push(p),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out.to_string_lossy().into_owned()
+}
+
+/// Reads the script from `path` (`-` = stdin), at most one byte past
+/// [`MAX_SCRIPT_BYTES`] so that an oversized script is detected without
+/// reading it all.
+///
+/// # Errors
+/// [`CliError::Read`].
+pub fn read_script(path: &str) -> Result<Vec<u8>, CliError> {
+    let limit = MAX_SCRIPT_BYTES as u64 + 1;
+    let mut buf = Vec::new();
+    let res = if path == "-" {
+        std::io::stdin().lock().take(limit).read_to_end(&mut buf)
+    } else {
+        std::fs::File::open(path).and_then(|f| f.take(limit).read_to_end(&mut buf))
+    };
+    res.map_err(|source| CliError::Read {
+        path: path.to_string(),
+        source,
+    })?;
+    Ok(buf)
+}
+
+/// Gathers the submit context of the invoking user on this host.
+///
+/// # Errors
+/// [`CliError::Environment`] if the user, directory or host name is unknown.
+pub fn gather_context(settings: &Settings, job_id: String) -> Result<SubmitContext, CliError> {
+    let uid = nix::unistd::getuid();
+    let user = nix::unistd::User::from_uid(uid)
+        .map_err(|e| CliError::Environment {
+            what: format!("user name of uid {uid}"),
+            source: Some(Box::new(e)),
+        })?
+        .ok_or_else(|| CliError::Environment {
+            what: format!("user name of uid {uid} (not in the password database)"),
+            source: None,
+        })?;
+    let submit_dir = std::env::current_dir().map_err(|e| CliError::Environment {
+        what: "current directory".into(),
+        source: Some(Box::new(e)),
+    })?;
+    let host = nix::unistd::gethostname()
+        .map_err(|e| CliError::Environment {
+            what: "host name".into(),
+            source: Some(Box::new(e)),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let env = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    Ok(SubmitContext {
+        job_id,
+        user: user.name,
+        home: user.dir.to_string_lossy().into_owned(),
+        login_shell: user.shell.to_string_lossy().into_owned(),
+        submit_dir: submit_dir.to_string_lossy().into_owned(),
+        host,
+        env,
+        now: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        broker_url: settings.broker.url.clone(),
+        is_dir: Path::is_dir,
+    })
+}
+
+/// A fresh job id: a random UUID and the cluster, `<uuid>.<cluster>` (like
+/// Torque's `<seq>.<server>`).
+pub fn new_job_id(cluster: &str) -> String {
+    format!("{}.{cluster}", uuid::Uuid::new_v4())
+}
+
+/// Publishes `job` to its pool queue with a publisher confirm: routing key =
+/// pool, mandatory, `message_id` = job id, `user_id` = `broker_user`.
+///
+/// # Errors
+/// [`CliError::NoSuchPool`] if no queue is bound for the pool,
+/// [`CliError::NoSuchCluster`] if the jobs exchange does not exist,
+/// [`CliError::Broker`] otherwise.
+pub async fn publish_job(
+    ch: &lapin::Channel,
+    topo: &Topology,
+    job: &Job,
+    broker_user: &str,
+    timeout: Duration,
+) -> Result<(), CliError> {
+    let props = amqp::json_properties::<Job>()
+        .with_message_id(job.id.as_str().into())
+        .with_user_id(broker_user.into());
+    let exchange = topo.jobs_exchange();
+    let res = amqp::publish_confirmed(
+        ch,
+        &exchange,
+        &job.pool,
+        &job.encode(),
+        props,
+        true,
+        timeout,
+    )
+    .await;
+    match res {
+        Ok(()) => Ok(()),
+        Err(AmqpError::Unroutable { .. }) => Err(CliError::NoSuchPool {
+            pool: job.pool.clone(),
+            cluster: topo.cluster().to_string(),
+        }),
+        Err(e) if amqp_reply_code(&e) == Some(NOT_FOUND) => Err(CliError::NoSuchCluster {
+            cluster: topo.cluster().to_string(),
+            exchange,
+        }),
+        Err(source) => Err(CliError::Broker {
+            action: format!("submit job {} to pool {:?}", job.id, job.pool),
+            source: Box::new(source),
+        }),
+    }
+}
+
+/// What `vq submit` does after parsing its arguments; returns the exit code
+/// (0, or with `wait` the job's exit status; see [`wait_exit_code`]).
+///
+/// # Errors
+/// [`CliError`].
+pub async fn run(
+    settings: &Settings,
+    script_path: &str,
+    flags: Directives,
+    wait: bool,
+) -> Result<i32, CliError> {
+    let script = read_script(script_path)?;
+    let ctx = gather_context(settings, new_job_id(&settings.cluster))?;
+    let built = build_job(&script, script_path, flags, &ctx)?;
+    for w in &built.warnings {
+        eprintln!("vq: warning: {w}");
+    }
+    let job = built.job;
+    let topo = Topology::new(&settings.cluster);
+    let conn = amqp::connect(&settings.broker, "vq submit")
+        .await
+        .map_err(CliError::broker("connect to the broker"))?;
+    let result = submit_on(&conn, settings, &topo, &job, wait).await;
+    let _ = conn.close(200, "bye".into()).await;
+    result
+}
+
+async fn submit_on(
+    conn: &lapin::Connection,
+    settings: &Settings,
+    topo: &Topology,
+    job: &Job,
+    wait: bool,
+) -> Result<i32, CliError> {
+    let ch = amqp::confirm_channel(conn)
+        .await
+        .map_err(CliError::broker("open a channel"))?;
+    // Subscribe before publishing so that a fast job's events are not missed.
+    let events = if wait {
+        Some(subscribe_job_events(conn, topo, &job.pool).await?)
+    } else {
+        None
+    };
+    let timeout = Duration::from_secs(settings.broker.confirm_timeout_secs);
+    publish_job(&ch, topo, job, &settings.broker_user(), timeout).await?;
+    tracing::info!(job_id = %job.id, pool = %job.pool, "job submitted");
+    println!("{}", job.id);
+    let Some(mut consumer) = events else {
+        return Ok(0);
+    };
+    while let Some(delivery) = consumer.next().await {
+        let Ok(delivery) = delivery else { break };
+        let Ok(event) = JobEvent::decode(&delivery.data) else {
+            continue;
+        };
+        if event.job_id != job.id {
+            continue;
+        }
+        match &event.state {
+            JobState::Started => eprintln!("vq: job {} started on {}", job.id, event.agent),
+            JobState::Finished { outcome, .. } => {
+                eprintln!("vq: job {} {}", job.id, describe_outcome(outcome));
+                return Ok(wait_exit_code(&event.state));
+            }
+            JobState::Failed { reason } => {
+                eprintln!("vq: job {} failed: {reason}", job.id);
+                return Ok(wait_exit_code(&event.state));
+            }
+        }
+    }
+    Err(CliError::WaitInterrupted {
+        job_id: job.id.clone(),
+    })
+}
+
+/// Declares a server-named exclusive queue bound to the pool's job events
+/// and consumes it (auto-ack).
+async fn subscribe_job_events(
+    conn: &lapin::Connection,
+    topo: &Topology,
+    pool: &str,
+) -> Result<lapin::Consumer, CliError> {
+    let op = |what: &str| {
+        let what = what.to_string();
+        move |source| CliError::Broker {
+            action: "subscribe to job events".into(),
+            source: Box::new(AmqpError::Op { what, source }),
+        }
+    };
+    let ch = conn.create_channel().await.map_err(op("channel.open"))?;
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op("queue.declare"))?;
+    let key = job_event_key(pool, "*");
+    ch.queue_bind(
+        q.name().clone(),
+        topo.events_exchange().into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(op("queue.bind"))?;
+    ch.basic_consume(
+        q.name().clone(),
+        "".into(),
+        BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(op("basic.consume"))
+}
+
+/// Exit status of `vq submit --wait` for a final job state: the job's exit
+/// code; `128 + signal` for a signal (as a shell reports it); 1 for
+/// walltime, cancel, output limit, failure to start and rejection.
+pub fn wait_exit_code(state: &JobState) -> i32 {
+    match state {
+        JobState::Finished {
+            outcome: Outcome::Exited { code },
+            ..
+        } => *code,
+        JobState::Finished {
+            outcome: Outcome::Signaled { signal },
+            ..
+        } => 128 + signal,
+        JobState::Started => 0,
+        JobState::Finished { .. } | JobState::Failed { .. } => 1,
+    }
+}
+
+/// A short human description of an outcome, e.g. `exited with status 3`.
+pub fn describe_outcome(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Exited { code } => format!("exited with status {code}"),
+        Outcome::Signaled { signal } => format!("was killed by signal {signal}"),
+        Outcome::Walltime => "exceeded its walltime and was killed".into(),
+        Outcome::Cancelled => "was cancelled".into(),
+        Outcome::OutputLimit => "exceeded the output limit and was killed".into(),
+        Outcome::FailedToStart { reason } => format!("failed to start: {reason}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vq_common::messages::Join;
+
+    use super::*;
+
+    fn ctx() -> SubmitContext {
+        let env: BTreeMap<String, String> = [
+            ("HOME", "/home/alice"),
+            ("PATH", "/usr/bin:/bin"),
+            ("LOGNAME", "alice"),
+            ("SHELL", "/bin/zsh"),
+            ("FOO", "from-env"),
+            ("VQ_BROKER_URL", "amqp://alice:pw@mq/%2f"),
+            ("MY_URL", "x amqp://alice:pw@mq/%2f"),
+            ("BASH_FUNC_m%%", "() { :; }"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        SubmitContext {
+            job_id: "0badc0de-1111-2222-3333-444455556666.vq".into(),
+            user: "alice".into(),
+            home: "/home/alice".into(),
+            login_shell: "/bin/bash".into(),
+            submit_dir: "/home/alice/work".into(),
+            host: "ui01".into(),
+            env,
+            now: 1_700_000_000,
+            broker_url: "amqp://alice:pw@mq/%2f".into(),
+            is_dir: |p| p == Path::new("/home/alice/logs"),
+        }
+    }
+
+    fn flags(opts: &[(char, Option<&str>)]) -> Directives {
+        let mut d = Directives::default();
+        for (o, v) in opts {
+            d.apply_option(*o, *v, None).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn a_bare_script_gets_torque_defaults() {
+        let b = build_job(
+            b"#!/bin/sh\necho hi\n",
+            "sub/run.sh",
+            Directives::default(),
+            &ctx(),
+        )
+        .unwrap();
+        let j = b.job;
+        assert_eq!(j.name, "run.sh");
+        assert_eq!(j.pool, "default");
+        assert_eq!(j.owner, "alice");
+        assert_eq!(j.workdir.as_deref(), Some("/home/alice/work"));
+        assert_eq!(
+            j.stdout.as_deref(),
+            Some("/home/alice/work/run.sh.o0badc0de")
+        );
+        assert_eq!(
+            j.stderr.as_deref(),
+            Some("/home/alice/work/run.sh.e0badc0de")
+        );
+        assert_eq!(j.join, Join::N);
+        assert!(j.rerunnable);
+        assert_eq!(j.walltime, None);
+        assert_eq!(j.shell, None);
+        assert_eq!(j.submit_host, "ui01");
+        assert_eq!(j.submitted_at, 1_700_000_000);
+        assert_eq!(
+            j.env.get("PBS_O_WORKDIR").map(String::as_str),
+            Some("/home/alice/work")
+        );
+        assert_eq!(
+            j.env.get("PBS_O_HOME").map(String::as_str),
+            Some("/home/alice")
+        );
+        assert_eq!(
+            j.env.get("PBS_O_SHELL").map(String::as_str),
+            Some("/bin/zsh")
+        );
+        assert_eq!(
+            j.env.get("PBS_O_PATH").map(String::as_str),
+            Some("/usr/bin:/bin")
+        );
+        assert_eq!(
+            j.env.get("PBS_O_QUEUE").map(String::as_str),
+            Some("default")
+        );
+        assert!(!j.env.contains_key("FOO"), "no -V, no copy");
+        assert_eq!(Job::decode(&j.encode()).unwrap(), j);
+    }
+
+    #[test]
+    fn the_command_line_overrides_the_script() {
+        let script =
+            b"#PBS -N fromscript\n#PBS -q a\n#PBS -l walltime=10:00\n#PBS -o out.txt\necho\n";
+        let b = build_job(
+            script,
+            "job.pbs",
+            flags(&[
+                ('q', Some("b")),
+                ('l', Some("walltime=1:00:00")),
+                ('j', Some("oe")),
+            ]),
+            &ctx(),
+        )
+        .unwrap();
+        assert_eq!(b.job.name, "fromscript");
+        assert_eq!(b.job.pool, "b");
+        assert_eq!(b.job.walltime, Some(3600));
+        assert_eq!(b.job.join, Join::Oe);
+        assert_eq!(b.job.stdout.as_deref(), Some("/home/alice/work/out.txt"));
+        assert_eq!(b.job.env.get("PBS_O_QUEUE").map(String::as_str), Some("b"));
+    }
+
+    #[test]
+    fn paths_are_resolved_against_the_submit_directory() {
+        let b = build_job(
+            b"true\n",
+            "-",
+            flags(&[
+                ('d', Some("../scratch/./x")),
+                ('o', Some("../logs")),
+                ('e', Some("errs/")),
+            ]),
+            &ctx(),
+        )
+        .unwrap();
+        assert_eq!(b.job.name, "STDIN");
+        assert_eq!(b.job.workdir.as_deref(), Some("/home/alice/scratch/x"));
+        assert_eq!(
+            b.job.stdout.as_deref(),
+            Some("/home/alice/logs/STDIN.o0badc0de")
+        );
+        assert_eq!(
+            b.job.stderr.as_deref(),
+            Some("/home/alice/work/errs/STDIN.e0badc0de")
+        );
+        assert_eq!(
+            b.job.env.get("PBS_O_INITDIR").map(String::as_str),
+            Some("/home/alice/scratch/x")
+        );
+        assert_eq!(absolute("/a", "/../../b"), "/b");
+    }
+
+    #[test]
+    fn export_all_copies_the_environment_but_not_broker_secrets() {
+        let b = build_job(
+            b"#PBS -V\ntrue\n",
+            "j",
+            flags(&[('v', Some("FOO,BAR=1,MISSING"))]),
+            &ctx(),
+        )
+        .unwrap();
+        let env = &b.job.env;
+        assert_eq!(env.get("FOO").map(String::as_str), Some("from-env"));
+        assert_eq!(env.get("BAR").map(String::as_str), Some("1"));
+        assert_eq!(env.get("MISSING").map(String::as_str), Some(""));
+        assert_eq!(env.get("PATH").map(String::as_str), Some("/usr/bin:/bin"));
+        assert!(!env.contains_key("VQ_BROKER_URL"));
+        assert!(!env.contains_key("MY_URL"));
+        assert!(!env.contains_key("BASH_FUNC_m%%"));
+        assert!(b.warnings.iter().any(|w| w.message.contains("MISSING")));
+        assert!(
+            !b.job.encode().windows(2).any(|w| w == b"pw"),
+            "password leaked"
+        );
+    }
+
+    #[test]
+    fn v_without_export_all_takes_only_named_variables() {
+        let b = build_job(b"#PBS -v FOO\ntrue\n", "j", Directives::default(), &ctx()).unwrap();
+        assert_eq!(b.job.env.get("FOO").map(String::as_str), Some("from-env"));
+        assert!(!b.job.env.contains_key("PATH"));
+    }
+
+    #[test]
+    fn bad_scripts_are_refused_with_the_reason() {
+        let big = vec![b'#'; MAX_SCRIPT_BYTES + 1];
+        assert!(matches!(
+            build_job(&big, "j", Directives::default(), &ctx()),
+            Err(SubmitError::ScriptTooLarge { .. })
+        ));
+        assert!(matches!(
+            build_job(b"\xff\xfe", "j", Directives::default(), &ctx()),
+            Err(SubmitError::ScriptNotText)
+        ));
+        assert!(matches!(
+            build_job(b" \n\n", "j", Directives::default(), &ctx()),
+            Err(SubmitError::EmptyScript)
+        ));
+        let err = build_job(
+            b"#PBS -q ok\n#PBS -k oe\ntrue\n",
+            "j.pbs",
+            Directives::default(),
+            &ctx(),
+        )
+        .unwrap_err();
+        match err {
+            SubmitError::Directive { script, source } => {
+                assert_eq!(script, "j.pbs");
+                assert_eq!(source.line(), Some(2));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_huge_environment_is_refused() {
+        let mut c = ctx();
+        c.env
+            .insert("BIG".into(), "x".repeat(MAX_JOB_MESSAGE_BYTES));
+        assert!(matches!(
+            build_job(b"#PBS -V\ntrue\n", "j", Directives::default(), &c),
+            Err(SubmitError::JobTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn wait_exit_codes_follow_the_shell() {
+        let fin = |outcome| JobState::Finished {
+            outcome,
+            usage: Default::default(),
+        };
+        assert_eq!(wait_exit_code(&fin(Outcome::Exited { code: 3 })), 3);
+        assert_eq!(wait_exit_code(&fin(Outcome::Signaled { signal: 9 })), 137);
+        assert_eq!(wait_exit_code(&fin(Outcome::Walltime)), 1);
+        assert_eq!(wait_exit_code(&JobState::Failed { reason: "x".into() }), 1);
+    }
+
+    #[test]
+    fn the_example_scripts_build_without_warnings() {
+        let examples = [
+            ("hello.pbs", include_str!("../../../examples/hello.pbs")),
+            ("compute.pbs", include_str!("../../../examples/compute.pbs")),
+            ("env.pbs", include_str!("../../../examples/env.pbs")),
+        ];
+        let mut c = ctx();
+        c.env.insert("DEMO_FROM_SUBMIT".into(), "hi".into());
+        for (name, text) in examples {
+            let b = build_job(text.as_bytes(), name, Directives::default(), &c).unwrap();
+            assert!(b.warnings.is_empty(), "{name}: {:?}", b.warnings);
+            assert_eq!(b.job.pool, "default", "{name}");
+            assert!(b.job.walltime.is_some_and(|w| w <= 120), "{name}");
+        }
+        let env = build_job(
+            examples[2].1.as_bytes(),
+            "env.pbs",
+            Directives::default(),
+            &ctx(),
+        )
+        .unwrap()
+        .job
+        .env;
+        assert_eq!(env.get("GREETING").map(String::as_str), Some("bonjour"));
+        let compute = build_job(examples[1].1.as_bytes(), "c", Directives::default(), &ctx())
+            .unwrap()
+            .job;
+        assert_eq!(
+            compute.stdout.as_deref(),
+            Some("/home/alice/work/compute.out")
+        );
+        assert_eq!(
+            compute.stderr.as_deref(),
+            Some("/home/alice/work/compute.err")
+        );
+    }
+
+    #[test]
+    fn job_ids_are_unique_and_carry_the_cluster() {
+        let a = new_job_id("farm");
+        assert!(a.ends_with(".farm"));
+        assert_ne!(a, new_job_id("farm"));
+    }
+}

@@ -1,0 +1,242 @@
+//! HTTP endpoint of the controller (axum on `listen`):
+//!
+//! * `GET /healthz`: `200 ok` while the process runs;
+//! * `GET /status`: the [`StatusReport`] as JSON (shape documented in
+//!   [`crate::status`]);
+//! * `GET /metrics`: Prometheus text format: `vq_pool_queued{pool}`,
+//!   `vq_pool_running{pool}`, `vq_pool_target_vms{pool}`,
+//!   `vq_pool_vms{pool,state}`, `vq_servers_created_total{pool}`,
+//!   `vq_servers_deleted_total{pool,reason}`, `vq_cloud_errors_total`.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, RwLock};
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::status::{AgentCounts, Decision, PoolStatus, ServerStatus, StatusReport, VmCounts};
+
+type Labels = Vec<(String, String)>;
+
+/// The controller's Prometheus metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Jobs waiting per pool.
+    pub pool_queued: Family<Labels, Gauge>,
+    /// Jobs running per pool.
+    pub pool_running: Family<Labels, Gauge>,
+    /// Target VMs per pool.
+    pub pool_target: Family<Labels, Gauge>,
+    /// VMs per pool and state (`booting`, `active`, `draining`, `error`).
+    pub pool_vms: Family<Labels, Gauge>,
+    /// Servers created per pool.
+    pub created: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Servers deleted per pool and reason.
+    pub deleted: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Failed OpenStack requests.
+    pub cloud_errors: Counter<u64, AtomicU64>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            registry: Registry::default(),
+            pool_queued: Family::default(),
+            pool_running: Family::default(),
+            pool_target: Family::default(),
+            pool_vms: Family::default(),
+            created: Family::default(),
+            deleted: Family::default(),
+            cloud_errors: Counter::default(),
+        };
+        registry.register(
+            "vq_pool_queued",
+            "Jobs waiting in the pool",
+            m.pool_queued.clone(),
+        );
+        registry.register(
+            "vq_pool_running",
+            "Jobs running in the pool",
+            m.pool_running.clone(),
+        );
+        registry.register(
+            "vq_pool_target_vms",
+            "VMs the pool should have",
+            m.pool_target.clone(),
+        );
+        registry.register(
+            "vq_pool_vms",
+            "VMs of the pool by state",
+            m.pool_vms.clone(),
+        );
+        registry.register(
+            "vq_servers_created",
+            "Servers created by the controller",
+            m.created.clone(),
+        );
+        registry.register(
+            "vq_servers_deleted",
+            "Servers deleted by the controller, by reason",
+            m.deleted.clone(),
+        );
+        registry.register(
+            "vq_cloud_errors",
+            "Failed OpenStack requests",
+            m.cloud_errors.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Labels `pool=<pool>`.
+    pub fn pool(pool: &str) -> Labels {
+        vec![("pool".into(), pool.into())]
+    }
+
+    /// Labels `pool=<pool>, <key>=<value>`.
+    pub fn pool_and(pool: &str, key: &str, value: &str) -> Labels {
+        vec![("pool".into(), pool.into()), (key.into(), value.into())]
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// State shared by the handlers and the reconcile loop.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// Latest status report.
+    pub status: Arc<RwLock<StatusReport>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// The router (`/healthz`, `/status`, `/metrics`).
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn status(State(s): State<AppState>) -> Json<StatusReport> {
+    let report = s.status.read().unwrap_or_else(|p| p.into_inner()).clone();
+    Json(report)
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Serves `router` on `listener` until `shutdown` is cancelled.
+///
+/// # Errors
+/// The I/O error if serving fails.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn endpoints_answer() {
+        let metrics = Arc::new(Metrics::new());
+        metrics
+            .pool_queued
+            .get_or_create(&Metrics::pool("cms"))
+            .set(7);
+        metrics
+            .deleted
+            .get_or_create(&Metrics::pool_and("cms", "reason", "error"))
+            .inc();
+        let mut report = StatusReport {
+            cluster: "vq".into(),
+            ..Default::default()
+        };
+        report.pools.insert(
+            "cms".into(),
+            PoolStatus {
+                queued: 7,
+                ..Default::default()
+            },
+        );
+        let state = AppState {
+            status: Arc::new(RwLock::new(report.clone())),
+            metrics,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, state, stop.clone()));
+        let get = |path: &str| {
+            let path = path.to_string();
+            async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                s.write_all(
+                    format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                        .as_bytes(),
+                )
+                .await
+                .unwrap();
+                let mut out = String::new();
+                s.read_to_string(&mut out).await.unwrap();
+                out
+            }
+        };
+        assert!(get("/healthz").await.ends_with("ok"));
+        let status = get("/status").await;
+        let body = status.split("\r\n\r\n").nth(1).unwrap();
+        let parsed: StatusReport = serde_json::from_str(body).unwrap();
+        assert_eq!(parsed, report);
+        let m = get("/metrics").await;
+        assert!(m.contains("vq_pool_queued{pool=\"cms\"} 7"), "{m}");
+        assert!(
+            m.contains("vq_servers_deleted_total{pool=\"cms\",reason=\"error\"} 1"),
+            "{m}"
+        );
+        assert!(m.contains("vq_cloud_errors_total 0"), "{m}");
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    }
+}

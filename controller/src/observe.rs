@@ -1,0 +1,335 @@
+//! Observe: build one pool's [`Observed`] view from the complete Nova
+//! server list, the agents' heartbeats and answers, the pool queue depth and
+//! bridge demand. All or nothing: the caller gets a view only when every
+//! source was read (STYLE.md practice 5).
+//!
+//! All ages are measured on the controller's own monotonic clock at
+//! observation time (heartbeats) or against the wall clock (Nova's
+//! `created`), so [`crate::plan::plan`] needs no clock.
+
+use std::collections::BTreeMap;
+
+use tokio::time::Instant;
+use vq_common::messages::{AgentState, DeleteAnswer, Demand, Heartbeat};
+
+use crate::openstack::{Server, META_CLUSTER, META_POOL};
+
+/// Nova status of a server, reduced to what the planner distinguishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NovaStatus {
+    /// `BUILD`.
+    Build,
+    /// `ACTIVE`.
+    Active,
+    /// `ERROR`.
+    Error,
+    /// Being deleted (`DELETED`, `SOFT_DELETED`, task state `deleting`).
+    Deleting,
+    /// Anything else (`SHUTOFF`, `REBOOT`, …), verbatim.
+    Other(String),
+}
+
+impl NovaStatus {
+    /// Reduces Nova's status and task state.
+    pub fn from_nova(status: &str, task_state: Option<&str>) -> Self {
+        if task_state == Some("deleting") {
+            return NovaStatus::Deleting;
+        }
+        match status {
+            "BUILD" => NovaStatus::Build,
+            "ACTIVE" => NovaStatus::Active,
+            "ERROR" => NovaStatus::Error,
+            "DELETED" | "SOFT_DELETED" => NovaStatus::Deleting,
+            other => NovaStatus::Other(other.to_string()),
+        }
+    }
+}
+
+/// The agent's latest answer to "may I delete you?".
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerSeen {
+    /// Seconds since the controller received it.
+    pub age_secs: f64,
+    /// Whether the agent agreed.
+    pub may_delete: bool,
+    /// Jobs it said were running.
+    pub running: u32,
+}
+
+/// What the controller last heard from an agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentSeen {
+    /// Seconds since the controller received the last heartbeat.
+    pub heartbeat_age_secs: f64,
+    /// State in the last heartbeat.
+    pub state: AgentState,
+    /// Jobs running per the last heartbeat.
+    pub running: u32,
+    /// `is_del` in the last heartbeat.
+    pub is_del: bool,
+    /// Seconds the agent has been idle per the last heartbeat.
+    pub idle_secs: f64,
+    /// Latest answer to an ask-delete, if any.
+    pub answer: Option<AnswerSeen>,
+}
+
+/// One server of the pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservedServer {
+    /// Nova id.
+    pub id: String,
+    /// Name (= agent id).
+    pub name: String,
+    /// Reduced status.
+    pub status: NovaStatus,
+    /// Seconds since Nova created it (`None` if Nova did not say).
+    pub age_secs: Option<f64>,
+    /// Its agent, if the controller ever received a heartbeat from it.
+    pub agent: Option<AgentSeen>,
+}
+
+/// Everything the planner needs about one pool.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Observed {
+    /// Pool name.
+    pub pool: String,
+    /// The pool's servers (complete).
+    pub servers: Vec<ObservedServer>,
+    /// Jobs waiting: max of the pool queue's ready messages and the bridges'
+    /// demand.
+    pub queued: u64,
+    /// Jobs running: max of the heartbeats' sum and the bridges' demand.
+    pub running: u64,
+    /// Instances the quota still allows (shared by all pools); `None` =
+    /// unlimited.
+    pub quota_remaining: Option<u32>,
+    /// Seconds the controller has been receiving agent events without
+    /// interruption: no agent is judged dead or missing before this reaches
+    /// the heartbeat timeout.
+    pub listening_secs: f64,
+    /// Seconds since the last scale-down request of this pool.
+    pub since_scale_down_secs: Option<f64>,
+    /// Seconds since the last failed boot of this pool.
+    pub since_boot_failure_secs: Option<f64>,
+}
+
+/// A heartbeat or answer with the controller's receive time.
+#[derive(Debug, Clone)]
+pub struct AgentRecord {
+    /// Last heartbeat and when it arrived.
+    pub heartbeat: Option<(Heartbeat, Instant)>,
+    /// Last delete answer and when it arrived.
+    pub answer: Option<(DeleteAnswer, Instant)>,
+}
+
+/// Latest demand per pool with its receive time.
+pub type DemandMap = BTreeMap<String, (Demand, Instant)>;
+
+/// Demand older than this is ignored, seconds (as the demand queue's TTL).
+pub const DEMAND_MAX_AGE_SECS: f64 = (vq_common::topology::DEMAND_TTL_MS / 1000) as f64;
+
+/// Whether `server` is one of `pool`'s servers in `cluster` (by metadata;
+/// the list was already filtered by the cluster tag).
+pub fn owned_by(server: &Server, cluster: &str, pool: &str) -> bool {
+    server.metadata.get(META_CLUSTER).map(String::as_str) == Some(cluster)
+        && server.metadata.get(META_POOL).map(String::as_str) == Some(pool)
+}
+
+/// Inputs of [`assemble`] that are the same for every pool of a cycle.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    /// Observation instant (monotonic).
+    pub now: Instant,
+    /// Observation wall time, Unix seconds (for Nova's `created`).
+    pub unix_now: f64,
+    /// See [`Observed::listening_secs`].
+    pub listening_secs: f64,
+}
+
+/// Builds `pool`'s view from complete inputs. Pure.
+#[allow(clippy::too_many_arguments)]
+pub fn assemble(
+    cluster: &str,
+    pool: &str,
+    servers: &[Server],
+    agents: &BTreeMap<String, AgentRecord>,
+    demand: Option<&(Demand, Instant)>,
+    queue_depth: u64,
+    quota_remaining: Option<u32>,
+    clock: Clock,
+) -> Observed {
+    let age = |t: Instant| clock.now.saturating_duration_since(t).as_secs_f64();
+    let mut heartbeat_running: u64 = 0;
+    let servers: Vec<ObservedServer> = servers
+        .iter()
+        .filter(|s| owned_by(s, cluster, pool))
+        .map(|s| {
+            let agent = agents.get(&s.name).and_then(|rec| {
+                let (hb, at) = rec.heartbeat.as_ref()?;
+                let answer = rec.answer.as_ref().map(|(a, at)| AnswerSeen {
+                    age_secs: age(*at),
+                    may_delete: a.may_delete,
+                    running: a.running.len() as u32,
+                });
+                Some(AgentSeen {
+                    heartbeat_age_secs: age(*at),
+                    state: hb.state,
+                    running: hb.running.len() as u32,
+                    is_del: hb.is_del,
+                    idle_secs: hb.idle_secs,
+                    answer,
+                })
+            });
+            if let Some(a) = &agent {
+                heartbeat_running += u64::from(a.running);
+            }
+            ObservedServer {
+                id: s.id.clone(),
+                name: s.name.clone(),
+                status: NovaStatus::from_nova(&s.status, s.task_state.as_deref()),
+                age_secs: s.created.map(|c| (clock.unix_now - c).max(0.0)),
+                agent,
+            }
+        })
+        .collect();
+    let fresh_demand = demand.filter(|(_, at)| age(*at) <= DEMAND_MAX_AGE_SECS);
+    let (d_queued, d_running) = fresh_demand
+        .map(|(d, _)| (d.queued, d.running))
+        .unwrap_or((0, 0));
+    Observed {
+        pool: pool.to_string(),
+        servers,
+        queued: queue_depth.max(d_queued),
+        running: heartbeat_running.max(d_running),
+        quota_remaining,
+        listening_secs: clock.listening_secs,
+        since_scale_down_secs: None,
+        since_boot_failure_secs: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn server(name: &str, pool: &str) -> Server {
+        Server {
+            id: format!("id-{name}"),
+            name: name.into(),
+            status: "ACTIVE".into(),
+            task_state: None,
+            created: Some(1000.0),
+            metadata: [
+                (META_CLUSTER.to_string(), "vq".to_string()),
+                (META_POOL.to_string(), pool.to_string()),
+            ]
+            .into(),
+            tags: vec![],
+            fault: None,
+        }
+    }
+
+    fn hb(agent: &str, running: usize) -> Heartbeat {
+        Heartbeat {
+            schema: 1,
+            agent: agent.into(),
+            pool: "cms".into(),
+            host: String::new(),
+            state: if running > 0 {
+                AgentState::Busy
+            } else {
+                AgentState::Idle
+            },
+            slots: 2,
+            running: (0..running).map(|i| format!("j{i}")).collect(),
+            is_pull: true,
+            is_del: false,
+            idle_secs: 0.0,
+            interval_secs: 10.0,
+            at: 0.0,
+            version: String::new(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_pools_servers_are_seen_and_demand_is_a_floor() {
+        let t0 = Instant::now();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let servers = vec![server("a", "cms"), server("b", "atlas"), {
+            let mut s = server("c", "cms");
+            s.metadata.insert(META_CLUSTER.into(), "other".into());
+            s
+        }];
+        let mut agents = BTreeMap::new();
+        agents.insert(
+            "a".to_string(),
+            AgentRecord {
+                heartbeat: Some((hb("a", 2), t0)),
+                answer: None,
+            },
+        );
+        let demand = (
+            Demand {
+                schema: 1,
+                pool: "cms".into(),
+                queued: 7,
+                running: 1,
+                at: 0.0,
+                source: "t".into(),
+            },
+            t0,
+        );
+        let clock = Clock {
+            now: Instant::now(),
+            unix_now: 1100.0,
+            listening_secs: 5.0,
+        };
+        let o = assemble(
+            "vq",
+            "cms",
+            &servers,
+            &agents,
+            Some(&demand),
+            3,
+            Some(4),
+            clock,
+        );
+        assert_eq!(o.servers.len(), 1);
+        assert_eq!(o.servers[0].age_secs, Some(100.0));
+        let a = o.servers[0].agent.as_ref().unwrap();
+        assert_eq!(a.heartbeat_age_secs, 5.0);
+        assert_eq!(o.queued, 7, "bridge demand above the queue depth wins");
+        assert_eq!(o.running, 2, "heartbeats above the bridge's running win");
+        assert_eq!(o.quota_remaining, Some(4));
+
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        let clock = Clock {
+            now: Instant::now(),
+            ..clock
+        };
+        let o = assemble(
+            "vq",
+            "cms",
+            &servers,
+            &agents,
+            Some(&demand),
+            3,
+            None,
+            clock,
+        );
+        assert_eq!(o.queued, 3, "stale demand is ignored");
+    }
+
+    #[test]
+    fn deleting_servers_are_recognised() {
+        assert_eq!(
+            NovaStatus::from_nova("ACTIVE", Some("deleting")),
+            NovaStatus::Deleting
+        );
+        assert_eq!(
+            NovaStatus::from_nova("SHUTOFF", None),
+            NovaStatus::Other("SHUTOFF".into())
+        );
+    }
+}

@@ -1,0 +1,831 @@
+//! Plan: the pure scaling rule. [`plan`] turns one pool's [`Observed`] view
+//! and its [`PoolConfig`] into [`Action`]s, each with a human-readable
+//! reason.
+//!
+//! The rule (seed: `VN = VT - VA`, counting VMs booting):
+//!
+//! * `VT = clamp(ceil((queued + running) / slots), min, max)`;
+//! * `VA` = servers whose agent heartbeats and takes jobs (idle or busy);
+//! * `VB` = servers booting (BUILD, or up without a first heartbeat within
+//!   `boot_timeout_secs`), plus servers not judged yet because the
+//!   controller has not listened for a whole heartbeat timeout;
+//! * `VN = VT - VA - VB`: boot `min(VN, max - servers kept, quota)`, or ask
+//!   up to `-VN` idle agents (idle at least `idle_secs`) whether they may be
+//!   deleted.
+//!
+//! Deleted are: servers whose agent agreed (`is_del` / `may_delete`, no job
+//! running), ERROR servers, servers stuck in BUILD, servers whose agent
+//! never heartbeated within the boot timeout (black holes) and servers whose
+//! agent stopped heartbeating (dead). The last two only once the controller
+//! has listened for a whole heartbeat timeout. A server whose agent's live
+//! heartbeat shows a running job is never deleted or asked.
+
+use vq_common::config::PoolConfig;
+use vq_common::messages::AgentState;
+
+use crate::observe::{NovaStatus, Observed, ObservedServer};
+
+/// Why a server is deleted (the `reason` label of
+/// `vq_servers_deleted_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DeleteCause {
+    /// The agent agreed to be deleted and runs nothing.
+    Agreed,
+    /// Nova reports ERROR.
+    Error,
+    /// Still BUILD after the boot timeout.
+    StuckBuild,
+    /// Up, but its agent never heartbeated within the boot timeout.
+    BlackHole,
+    /// Its agent stopped heartbeating.
+    Dead,
+}
+
+impl DeleteCause {
+    /// Short label (`agreed`, `error`, `stuck-build`, `black-hole`, `dead`).
+    pub fn label(self) -> &'static str {
+        match self {
+            DeleteCause::Agreed => "agreed",
+            DeleteCause::Error => "error",
+            DeleteCause::StuckBuild => "stuck-build",
+            DeleteCause::BlackHole => "black-hole",
+            DeleteCause::Dead => "dead",
+        }
+    }
+}
+
+/// One thing to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Create `count` servers.
+    Boot {
+        /// How many.
+        count: u32,
+        /// Why.
+        reason: String,
+    },
+    /// Ask an agent whether its VM may be deleted.
+    AskDelete {
+        /// Server id.
+        server_id: String,
+        /// Agent id (= server name).
+        agent: String,
+        /// Why.
+        reason: String,
+    },
+    /// Delete a server.
+    Delete {
+        /// Server id.
+        server_id: String,
+        /// Server name.
+        name: String,
+        /// Category.
+        cause: DeleteCause,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Action {
+    /// The action's reason.
+    pub fn reason(&self) -> &str {
+        match self {
+            Action::Boot { reason, .. }
+            | Action::AskDelete { reason, .. }
+            | Action::Delete { reason, .. } => reason,
+        }
+    }
+
+    /// `boot`, `ask-delete` or `delete`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Action::Boot { .. } => "boot",
+            Action::AskDelete { .. } => "ask-delete",
+            Action::Delete { .. } => "delete",
+        }
+    }
+}
+
+/// How the planner judged one server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// BUILD, or up without a first heartbeat, within the boot timeout.
+    Booting,
+    /// Not judged: the controller has not listened for a heartbeat timeout.
+    Unknown,
+    /// Live agent taking jobs, none running.
+    Idle,
+    /// Live agent running jobs.
+    Busy,
+    /// Live agent not pulling, finishing jobs.
+    Draining,
+    /// Live agent that agreed to be deleted and runs nothing.
+    Agreed,
+    /// ERROR.
+    Error,
+    /// BUILD past the boot timeout.
+    StuckBuild,
+    /// No heartbeat ever, past the boot timeout.
+    BlackHole,
+    /// Heartbeats stopped.
+    Dead,
+    /// Already being deleted by Nova.
+    Vanishing,
+}
+
+impl Class {
+    /// Name used in the status page's `agent_state`.
+    pub fn agent_state(self) -> &'static str {
+        match self {
+            Class::Booting => "booting",
+            Class::Unknown => "unknown",
+            Class::Idle => "idle",
+            Class::Busy => "busy",
+            Class::Draining => "draining",
+            Class::Agreed => "drained",
+            Class::Dead => "dead",
+            Class::Error | Class::StuckBuild | Class::BlackHole | Class::Vanishing => "none",
+        }
+    }
+
+    fn delete_cause(self) -> Option<DeleteCause> {
+        match self {
+            Class::Agreed => Some(DeleteCause::Agreed),
+            Class::Error => Some(DeleteCause::Error),
+            Class::StuckBuild => Some(DeleteCause::StuckBuild),
+            Class::BlackHole => Some(DeleteCause::BlackHole),
+            Class::Dead => Some(DeleteCause::Dead),
+            _ => None,
+        }
+    }
+}
+
+/// Settings of the planner that are not per pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Seconds without a heartbeat after which an agent is dead.
+    pub heartbeat_timeout_secs: f64,
+}
+
+/// The planner's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// VT.
+    pub target: u32,
+    /// VA.
+    pub active: u32,
+    /// VB.
+    pub booting: u32,
+    /// How each server was judged, in the order of `Observed::servers`.
+    pub classes: Vec<Class>,
+    /// What to do.
+    pub actions: Vec<Action>,
+    /// Things the rule wanted but held back (cooldown, quota, max), for logs.
+    pub held: Vec<String>,
+}
+
+/// Judges one server.
+pub fn classify(s: &ObservedServer, pool: &PoolConfig, obs: &Observed, t: Timing) -> Class {
+    if s.status == NovaStatus::Deleting {
+        return Class::Vanishing;
+    }
+    if s.status == NovaStatus::Error {
+        return Class::Error;
+    }
+    let listened = obs.listening_secs >= t.heartbeat_timeout_secs;
+    match &s.agent {
+        Some(a) if a.heartbeat_age_secs <= t.heartbeat_timeout_secs => {
+            let answer_newer = a
+                .answer
+                .as_ref()
+                .filter(|ans| ans.age_secs < a.heartbeat_age_secs);
+            let agreed = match answer_newer {
+                Some(ans) => ans.may_delete && ans.running == 0 && a.running == 0,
+                None => (a.is_del || a.state == AgentState::Drained) && a.running == 0,
+            };
+            if agreed {
+                Class::Agreed
+            } else if a.state == AgentState::Draining || a.state == AgentState::Drained || a.is_del
+            {
+                Class::Draining
+            } else if a.running > 0 || a.state == AgentState::Busy {
+                Class::Busy
+            } else {
+                Class::Idle
+            }
+        }
+        Some(_) => {
+            if listened {
+                Class::Dead
+            } else {
+                Class::Unknown
+            }
+        }
+        None => {
+            let young = s
+                .age_secs
+                .is_none_or(|age| age <= pool.boot_timeout_secs as f64);
+            if young {
+                Class::Booting
+            } else if s.status == NovaStatus::Build {
+                Class::StuckBuild
+            } else if listened {
+                Class::BlackHole
+            } else {
+                Class::Unknown
+            }
+        }
+    }
+}
+
+fn delete_reason(cause: DeleteCause, s: &ObservedServer, pool: &PoolConfig, t: Timing) -> String {
+    match cause {
+        DeleteCause::Agreed => "agent agreed to be deleted and runs no job".into(),
+        DeleteCause::Error => "server is in ERROR".into(),
+        DeleteCause::StuckBuild => format!(
+            "server still in BUILD after {:.0} s (boot timeout {} s)",
+            s.age_secs.unwrap_or(0.0),
+            pool.boot_timeout_secs
+        ),
+        DeleteCause::BlackHole => format!(
+            "agent never sent a heartbeat in {:.0} s since the server was created (boot timeout {} s): black hole",
+            s.age_secs.unwrap_or(0.0),
+            pool.boot_timeout_secs
+        ),
+        DeleteCause::Dead => format!(
+            "agent's last heartbeat was {:.0} s ago (timeout {:.0} s){}: dead",
+            s.agent.as_ref().map(|a| a.heartbeat_age_secs).unwrap_or(0.0),
+            t.heartbeat_timeout_secs,
+            match s.agent.as_ref().map(|a| a.running).unwrap_or(0) {
+                0 => String::new(),
+                n => format!(", it last reported {n} running job(s)"),
+            }
+        ),
+    }
+}
+
+/// The pure scaling rule (see the module doc).
+pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
+    let classes: Vec<Class> = obs
+        .servers
+        .iter()
+        .map(|s| classify(s, pool, obs, t))
+        .collect();
+    let count = |f: &dyn Fn(Class) -> bool| classes.iter().filter(|c| f(**c)).count() as u32;
+    let va = count(&|c| matches!(c, Class::Idle | Class::Busy));
+    let vb = count(&|c| matches!(c, Class::Booting | Class::Unknown));
+    let slots = u64::from(pool.slots.max(1));
+    let demand = obs.queued.saturating_add(obs.running);
+    let wanted = demand.div_ceil(slots).min(u64::from(u32::MAX)) as u32;
+    let vt = wanted.clamp(pool.min, pool.max.max(pool.min));
+    let mut actions = Vec::new();
+    let mut held = Vec::new();
+
+    // Deletions of servers that are gone in all but name.
+    let mut deleted = 0u32;
+    for (s, c) in obs.servers.iter().zip(&classes) {
+        if let Some(cause) = c.delete_cause() {
+            deleted += 1;
+            actions.push(Action::Delete {
+                server_id: s.id.clone(),
+                name: s.name.clone(),
+                cause,
+                reason: delete_reason(cause, s, pool, t),
+            });
+        }
+    }
+    let vanishing = count(&|c| c == Class::Vanishing);
+    let kept = obs.servers.len() as u32 - deleted - vanishing;
+
+    let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
+    let why = format!(
+        "target {vt} VMs for {} queued + {} running jobs at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
+        obs.queued, obs.running, pool.slots, pool.min, pool.max
+    );
+    if vn > 0 {
+        let mut n = vn as u32;
+        let headroom = pool.max.saturating_sub(kept);
+        if headroom < n {
+            held.push(format!(
+                "{why}: wanted {n} more, but only {headroom} fit under max {} ({kept} servers exist)",
+                pool.max
+            ));
+            n = headroom;
+        }
+        if let Some(q) = obs.quota_remaining {
+            if q < n {
+                held.push(format!(
+                    "{why}: wanted {n} more, but the instance quota allows only {q}"
+                ));
+                n = q;
+            }
+        }
+        if let Some(since) = obs.since_boot_failure_secs {
+            if n > 0 && since < pool.cooldown_secs as f64 {
+                held.push(format!(
+                    "{why}: boot of {n} held back, last boot failed {since:.0} s ago (cooldown {} s)",
+                    pool.cooldown_secs
+                ));
+                n = 0;
+            }
+        }
+        if n > 0 {
+            actions.push(Action::Boot {
+                count: n,
+                reason: format!("{why}: boot {n}"),
+            });
+        }
+    } else if vn < 0 {
+        let excess = (-vn) as u32;
+        let cooling = obs
+            .since_scale_down_secs
+            .filter(|since| *since < pool.cooldown_secs as f64);
+        if let Some(since) = cooling {
+            held.push(format!(
+                "{why}: {excess} too many, but the last scale-down was {since:.0} s ago (cooldown {} s)",
+                pool.cooldown_secs
+            ));
+        } else {
+            let mut idle: Vec<&ObservedServer> = obs
+                .servers
+                .iter()
+                .zip(&classes)
+                .filter(|(s, c)| {
+                    **c == Class::Idle
+                        && s.agent
+                            .as_ref()
+                            .is_some_and(|a| a.running == 0 && a.idle_secs >= pool.idle_secs as f64)
+                })
+                .map(|(s, _)| s)
+                .collect();
+            // Longest idle first; name as a tie-break for determinism.
+            idle.sort_by(|a, b| {
+                let ia = a.agent.as_ref().map(|x| x.idle_secs).unwrap_or(0.0);
+                let ib = b.agent.as_ref().map(|x| x.idle_secs).unwrap_or(0.0);
+                ib.total_cmp(&ia).then_with(|| a.name.cmp(&b.name))
+            });
+            if idle.len() < excess as usize {
+                held.push(format!(
+                    "{why}: {excess} too many, only {} agents idle for {} s or more",
+                    idle.len(),
+                    pool.idle_secs
+                ));
+            }
+            for s in idle.into_iter().take(excess as usize) {
+                let idle_secs = s.agent.as_ref().map(|a| a.idle_secs).unwrap_or(0.0);
+                actions.push(Action::AskDelete {
+                    server_id: s.id.clone(),
+                    agent: s.name.clone(),
+                    reason: format!("{why}: {excess} too many; agent idle for {idle_secs:.0} s"),
+                });
+            }
+        }
+    }
+    Plan {
+        target: vt,
+        active: va,
+        booting: vb,
+        classes,
+        actions,
+        held,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observe::{AgentSeen, AnswerSeen};
+    use proptest::prelude::*;
+
+    const T: Timing = Timing {
+        heartbeat_timeout_secs: 60.0,
+    };
+
+    fn pool(min: u32, max: u32, slots: u32) -> PoolConfig {
+        PoolConfig {
+            flavor: "f".into(),
+            image: "i".into(),
+            agent_broker_url: "amqp://a".into(),
+            min,
+            max,
+            slots,
+            boot_timeout_secs: 600,
+            idle_secs: 60,
+            cooldown_secs: 30,
+            ..PoolConfig::default()
+        }
+    }
+
+    fn agent(running: u32, idle_secs: f64, hb_age: f64) -> AgentSeen {
+        AgentSeen {
+            heartbeat_age_secs: hb_age,
+            state: if running > 0 {
+                AgentState::Busy
+            } else {
+                AgentState::Idle
+            },
+            running,
+            is_del: false,
+            idle_secs,
+            answer: None,
+        }
+    }
+
+    fn srv(name: &str, status: NovaStatus, age: f64, agent: Option<AgentSeen>) -> ObservedServer {
+        ObservedServer {
+            id: format!("id-{name}"),
+            name: name.into(),
+            status,
+            age_secs: Some(age),
+            agent,
+        }
+    }
+
+    fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
+        Observed {
+            pool: "cms".into(),
+            servers,
+            queued,
+            running,
+            quota_remaining: None,
+            listening_secs: 1000.0,
+            since_scale_down_secs: None,
+            since_boot_failure_secs: None,
+        }
+    }
+
+    fn boots(p: &Plan) -> u32 {
+        p.actions
+            .iter()
+            .map(|a| match a {
+                Action::Boot { count, .. } => *count,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    fn deletes(p: &Plan) -> Vec<(String, DeleteCause)> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Delete { name, cause, .. } => Some((name.clone(), *cause)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn asks(p: &Plan) -> Vec<String> {
+        p.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::AskDelete { agent, .. } => Some(agent.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn queued_jobs_boot_vms_by_slots_up_to_max() {
+        let p = plan(&obs(vec![], 7, 0), &pool(0, 10, 2), T);
+        assert_eq!(p.target, 4);
+        assert_eq!(boots(&p), 4);
+        assert!(p.actions[0].reason().contains("7 queued"));
+        let p = plan(&obs(vec![], 100, 0), &pool(0, 3, 1), T);
+        assert_eq!(boots(&p), 3);
+    }
+
+    #[test]
+    fn min_is_kept_without_demand() {
+        let p = plan(&obs(vec![], 0, 0), &pool(2, 5, 1), T);
+        assert_eq!(boots(&p), 2);
+    }
+
+    #[test]
+    fn booting_servers_count_so_a_rerun_boots_nothing_more() {
+        let s = vec![
+            srv("a", NovaStatus::Build, 5.0, None),
+            srv("b", NovaStatus::Active, 50.0, None),
+        ];
+        let p = plan(&obs(s, 2, 0), &pool(0, 10, 1), T);
+        assert_eq!(p.booting, 2);
+        assert!(p.actions.is_empty(), "{:?}", p.actions);
+    }
+
+    #[test]
+    fn quota_limits_boots() {
+        let mut o = obs(vec![], 10, 0);
+        o.quota_remaining = Some(3);
+        let p = plan(&o, &pool(0, 10, 1), T);
+        assert_eq!(boots(&p), 3);
+        assert!(p.held.iter().any(|h| h.contains("quota")));
+    }
+
+    #[test]
+    fn a_failed_boot_holds_boots_for_the_cooldown() {
+        let mut o = obs(vec![], 10, 0);
+        o.since_boot_failure_secs = Some(5.0);
+        assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 0);
+        o.since_boot_failure_secs = Some(31.0);
+        assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 10);
+    }
+
+    #[test]
+    fn error_and_stuck_and_black_hole_servers_are_deleted_and_replaced() {
+        let s = vec![
+            srv("err", NovaStatus::Error, 10.0, None),
+            srv("stuck", NovaStatus::Build, 700.0, None),
+            srv("hole", NovaStatus::Active, 700.0, None),
+        ];
+        let p = plan(&obs(s, 3, 0), &pool(0, 3, 1), T);
+        let d = deletes(&p);
+        assert_eq!(
+            d,
+            vec![
+                ("err".into(), DeleteCause::Error),
+                ("stuck".into(), DeleteCause::StuckBuild),
+                ("hole".into(), DeleteCause::BlackHole)
+            ]
+        );
+        assert_eq!(boots(&p), 3, "replacements fit under max once deleted");
+    }
+
+    #[test]
+    fn nothing_is_judged_dead_before_the_controller_listened_a_heartbeat_timeout() {
+        let s = vec![
+            srv("hole", NovaStatus::Active, 700.0, None),
+            srv(
+                "dead",
+                NovaStatus::Active,
+                700.0,
+                Some(agent(1, 0.0, 120.0)),
+            ),
+        ];
+        let mut o = obs(s, 0, 0);
+        o.listening_secs = 30.0;
+        let p = plan(&o, &pool(0, 3, 1), T);
+        assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+        assert_eq!(p.classes, vec![Class::Unknown, Class::Unknown]);
+        o.listening_secs = 61.0;
+        let p = plan(&o, &pool(0, 3, 1), T);
+        assert_eq!(
+            deletes(&p),
+            vec![
+                ("hole".into(), DeleteCause::BlackHole),
+                ("dead".into(), DeleteCause::Dead)
+            ]
+        );
+        assert!(p
+            .actions
+            .iter()
+            .any(|a| a.reason().contains("1 running job")));
+    }
+
+    #[test]
+    fn idle_agents_are_asked_busy_ones_never() {
+        let s = vec![
+            srv("busy", NovaStatus::Active, 900.0, Some(agent(1, 0.0, 2.0))),
+            srv(
+                "idle-long",
+                NovaStatus::Active,
+                900.0,
+                Some(agent(0, 500.0, 2.0)),
+            ),
+            srv(
+                "idle-short",
+                NovaStatus::Active,
+                900.0,
+                Some(agent(0, 10.0, 2.0)),
+            ),
+            srv(
+                "idle-mid",
+                NovaStatus::Active,
+                900.0,
+                Some(agent(0, 100.0, 2.0)),
+            ),
+        ];
+        let p = plan(&obs(s, 0, 1), &pool(0, 10, 1), T);
+        assert_eq!(p.target, 1);
+        assert_eq!(
+            asks(&p),
+            vec!["idle-long".to_string(), "idle-mid".to_string()]
+        );
+        assert!(deletes(&p).is_empty());
+    }
+
+    #[test]
+    fn scale_down_respects_min_and_cooldown() {
+        let s = vec![
+            srv("a", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+            srv("b", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+        ];
+        let mut o = obs(s, 0, 0);
+        assert_eq!(asks(&plan(&o, &pool(1, 10, 1), T)).len(), 1);
+        o.since_scale_down_secs = Some(3.0);
+        assert!(asks(&plan(&o, &pool(1, 10, 1), T)).is_empty());
+    }
+
+    #[test]
+    fn an_agreeing_agent_is_deleted_but_not_if_it_runs_a_job() {
+        let mut yes = agent(0, 500.0, 5.0);
+        yes.answer = Some(AnswerSeen {
+            age_secs: 1.0,
+            may_delete: true,
+            running: 0,
+        });
+        let mut no = agent(1, 0.0, 5.0);
+        no.answer = Some(AnswerSeen {
+            age_secs: 1.0,
+            may_delete: false,
+            running: 1,
+        });
+        let mut del_but_busy = agent(1, 0.0, 1.0);
+        del_but_busy.is_del = true;
+        let s = vec![
+            srv("yes", NovaStatus::Active, 900.0, Some(yes)),
+            srv("no", NovaStatus::Active, 900.0, Some(no)),
+            srv("odd", NovaStatus::Active, 900.0, Some(del_but_busy)),
+        ];
+        let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+        assert_eq!(deletes(&p), vec![("yes".into(), DeleteCause::Agreed)]);
+    }
+
+    // ------------------------------------------------------------ properties
+
+    fn arb_agent() -> impl Strategy<Value = AgentSeen> {
+        (
+            0u32..3,
+            0.0f64..1000.0,
+            0.0f64..200.0,
+            any::<bool>(),
+            0u8..4,
+            proptest::option::of((0.0f64..200.0, any::<bool>(), 0u32..2)),
+        )
+            .prop_map(|(running, idle, age, is_del, st, ans)| AgentSeen {
+                heartbeat_age_secs: age,
+                state: match st {
+                    0 => AgentState::Idle,
+                    1 => AgentState::Busy,
+                    2 => AgentState::Draining,
+                    _ => AgentState::Drained,
+                },
+                running,
+                is_del,
+                idle_secs: idle,
+                answer: ans.map(|(a, m, r)| AnswerSeen {
+                    age_secs: a,
+                    may_delete: m,
+                    running: r,
+                }),
+            })
+    }
+
+    fn arb_server() -> impl Strategy<Value = ObservedServer> {
+        (
+            0u8..6,
+            0.0f64..2000.0,
+            proptest::option::of(arb_agent()),
+            "[a-z]{6}",
+        )
+            .prop_map(|(st, age, agent, name)| ObservedServer {
+                id: format!("id-{name}"),
+                name,
+                status: match st {
+                    0 => NovaStatus::Build,
+                    1 | 2 => NovaStatus::Active,
+                    3 => NovaStatus::Error,
+                    4 => NovaStatus::Deleting,
+                    _ => NovaStatus::Other("SHUTOFF".into()),
+                },
+                age_secs: Some(age),
+                agent,
+            })
+    }
+
+    fn arb_case() -> impl Strategy<Value = (Observed, PoolConfig)> {
+        (
+            proptest::collection::vec(arb_server(), 0..12),
+            0u64..40,
+            0u64..10,
+            proptest::option::of(0u32..10),
+            0.0f64..200.0,
+            (0u32..4, 0u32..12, 1u32..4),
+        )
+            .prop_map(
+                |(mut servers, queued, running, quota, listening, (min, extra, slots))| {
+                    for (i, s) in servers.iter_mut().enumerate() {
+                        s.name = format!("{}{i}", s.name);
+                        s.id = format!("id-{}", s.name);
+                    }
+                    let mut o = obs(servers, queued, running);
+                    o.quota_remaining = quota;
+                    o.listening_secs = listening;
+                    (o, pool(min, min + extra, slots))
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn never_boots_above_max_or_quota((o, p) in arb_case()) {
+            let pl = plan(&o, &p, T);
+            let b = boots(&pl);
+            let deleted = deletes(&pl).len() as u32;
+            let vanishing = pl.classes.iter().filter(|c| **c == Class::Vanishing).count() as u32;
+            let kept = o.servers.len() as u32 - deleted - vanishing;
+            prop_assert!(b == 0 || kept + b <= p.max, "kept {kept} + boots {b} > max {}", p.max);
+            if let Some(q) = o.quota_remaining {
+                prop_assert!(b <= q);
+            }
+            prop_assert!(pl.target >= p.min && pl.target <= p.max);
+        }
+
+        #[test]
+        fn never_deletes_or_asks_a_live_busy_agent((o, p) in arb_case()) {
+            let pl = plan(&o, &p, T);
+            for a in &pl.actions {
+                let id = match a {
+                    Action::Delete { server_id, .. } | Action::AskDelete { server_id, .. } => server_id,
+                    Action::Boot { .. } => continue,
+                };
+                let s = o.servers.iter().find(|s| &s.id == id).unwrap();
+                if let Some(ag) = &s.agent {
+                    let live = ag.heartbeat_age_secs <= T.heartbeat_timeout_secs;
+                    if live && s.status != NovaStatus::Error {
+                        prop_assert_eq!(ag.running, 0, "{:?} on busy {:?}", a, s);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn nothing_is_deleted_as_dead_or_missing_before_listening_a_timeout((o, p) in arb_case()) {
+            let pl = plan(&o, &p, T);
+            if o.listening_secs < T.heartbeat_timeout_secs {
+                for (_, cause) in deletes(&pl) {
+                    prop_assert!(!matches!(cause, DeleteCause::Dead | DeleteCause::BlackHole));
+                }
+            }
+        }
+
+        #[test]
+        fn applying_plans_converges_to_the_target(
+            (o, p) in arb_case(),
+        ) {
+            // Simulated world: boots become booting servers, then idle agents;
+            // ask-delete makes an agent agree; deletes remove servers. Jobs
+            // keep running on busy agents. Cooldowns and idle time are off.
+            let mut p = p;
+            p.cooldown_secs = 0;
+            p.idle_secs = 0;
+            let mut o = o;
+            o.quota_remaining = None;
+            o.listening_secs = 1000.0;
+            let mut next_id = 0;
+            for _ in 0..8 {
+                let pl = plan(&o, &p, T);
+                // Agents: booting servers come up.
+                for s in o.servers.iter_mut() {
+                    if s.agent.is_none()
+                        && !matches!(s.status, NovaStatus::Error | NovaStatus::Deleting)
+                    {
+                        s.status = NovaStatus::Active;
+                        s.agent = Some(agent(0, 0.0, 1.0));
+                    }
+                }
+                for a in pl.actions {
+                    match a {
+                        Action::Boot { count, .. } => {
+                            for _ in 0..count {
+                                next_id += 1;
+                                o.servers.push(srv(&format!("new{next_id}"), NovaStatus::Build, 0.0, None));
+                            }
+                        }
+                        Action::AskDelete { server_id, .. } => {
+                            let s = o.servers.iter_mut().find(|s| s.id == server_id).unwrap();
+                            let ag = s.agent.as_mut().unwrap();
+                            ag.is_del = true;
+                            ag.state = AgentState::Drained;
+                        }
+                        Action::Delete { server_id, .. } => {
+                            o.servers.retain(|s| s.id != server_id);
+                        }
+                    }
+                }
+                // Nova finishes deletions.
+                o.servers.retain(|s| s.status != NovaStatus::Deleting);
+            }
+            let pl = plan(&o, &p, T);
+            // A fixed point: nothing left to do, and the pool is at its
+            // target unless max (counting draining VMs) or busy agents
+            // prevent it.
+            prop_assert!(pl.actions.is_empty(), "not converged: {:?}", pl.actions);
+            let have = pl.active + pl.booting;
+            let idle = pl.classes.iter().filter(|c| **c == Class::Idle).count();
+            if have < pl.target {
+                prop_assert!(o.servers.len() as u32 >= p.max, "below target with room: {:?}", pl.classes);
+            } else if have > pl.target {
+                prop_assert_eq!(idle, 0, "above target with idle agents: {:?}", pl.classes);
+            }
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! The reconcile loop: every `interval_secs`, for each pool that is not
+//! backing off, observe (all or nothing), plan (pure), act, and publish the
+//! result on the status page and in the metrics. The loop keeps only soft
+//! state (backoff, cooldown instants, the event map): restarting the
+//! controller loses nothing and creates no duplicates.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use vq_common::amqp::AmqpError;
+use vq_common::config::ControllerConfig;
+use vq_common::messages::unix_now;
+use vq_common::topology::Topology;
+
+use crate::act::{act, Messenger, PoolRef};
+use crate::backoff::{Backoff, PoolBackoff};
+use crate::broker::{Broker, EventSnapshot};
+use crate::error::{ObserveError, RunError};
+use crate::http::{AppState, Metrics};
+use crate::observe::{assemble, Clock};
+use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
+use crate::plan::{plan, Action, Class, Timing};
+use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
+
+/// First delay after a failed cycle.
+pub const BACKOFF_BASE: Duration = Duration::from_secs(2);
+/// Largest delay after failed cycles.
+pub const BACKOFF_CAP: Duration = Duration::from_secs(300);
+
+/// The broker operations the loop needs (the real [`Broker`] or a fake).
+pub trait BrokerApi: Messenger {
+    /// Connects if needed.
+    fn ensure_connected(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Ready messages in the pool's queue.
+    fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
+    /// Agent and demand state now.
+    fn snapshot(&self, now: Instant) -> EventSnapshot;
+}
+
+impl BrokerApi for Broker {
+    async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        Broker::ensure_connected(self).await
+    }
+    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        Broker::queue_depth(self, pool).await
+    }
+    fn snapshot(&self, now: Instant) -> EventSnapshot {
+        Broker::snapshot(self, now)
+    }
+}
+
+/// Result of one cycle, for tests and `--once`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CycleSummary {
+    /// Pools reconciled successfully.
+    pub ok: Vec<String>,
+    /// Pools whose cycle failed.
+    pub failed: Vec<String>,
+    /// Pools skipped (backing off).
+    pub skipped: Vec<String>,
+    /// Servers created.
+    pub created: u32,
+    /// Servers deleted.
+    pub deleted: u32,
+}
+
+/// The controller: configuration, clients and soft state.
+pub struct Controller<C, B> {
+    cfg: ControllerConfig,
+    cloud: C,
+    broker: B,
+    backoff: BTreeMap<String, PoolBackoff>,
+    last_scale_down: BTreeMap<String, Instant>,
+    last_boot_failure: BTreeMap<String, Instant>,
+    started: Instant,
+    /// Status page contents.
+    pub status: Arc<RwLock<StatusReport>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
+    /// A controller for `cfg` using `cloud` and `broker`.
+    ///
+    /// # Errors
+    /// [`RunError::Backoff`] if the backoff constants are invalid.
+    pub fn new(cfg: ControllerConfig, cloud: C, broker: B) -> Result<Self, RunError> {
+        let mut backoff = BTreeMap::new();
+        for pool in cfg.pools.keys() {
+            backoff.insert(
+                pool.clone(),
+                PoolBackoff::new(Backoff::try_new(BACKOFF_BASE, BACKOFF_CAP)?),
+            );
+        }
+        let status = StatusReport {
+            cluster: cfg.cluster.clone(),
+            pools: cfg
+                .pools
+                .keys()
+                .map(|p| (p.clone(), PoolStatus::default()))
+                .collect(),
+            ..Default::default()
+        };
+        Ok(Controller {
+            cfg,
+            cloud,
+            broker,
+            backoff,
+            last_scale_down: BTreeMap::new(),
+            last_boot_failure: BTreeMap::new(),
+            started: Instant::now(),
+            status: Arc::new(RwLock::new(status)),
+            metrics: Arc::new(Metrics::new()),
+        })
+    }
+
+    /// The cloud client.
+    pub fn cloud(&self) -> &C {
+        &self.cloud
+    }
+
+    /// The broker client.
+    pub fn broker(&self) -> &B {
+        &self.broker
+    }
+
+    fn fail_pool(
+        &mut self,
+        pool: &str,
+        now: Instant,
+        err: &dyn std::error::Error,
+        retry_after: Option<Duration>,
+    ) {
+        let b = self.backoff.get_mut(pool).expect("pool has a backoff");
+        let delay = b.failed(now, retry_after);
+        let mut chain = err.to_string();
+        let mut src = err.source();
+        while let Some(s) = src {
+            chain.push_str(": ");
+            chain.push_str(&s.to_string());
+            src = s.source();
+        }
+        tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
+        let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(ps) = st.pools.get_mut(pool) {
+            ps.last_error = Some(chain);
+        }
+    }
+
+    /// Runs one cycle. With `shutdown` cancelled, observes and plans but
+    /// does not act.
+    pub async fn cycle(&mut self, shutdown: &CancellationToken) -> CycleSummary {
+        let now = Instant::now();
+        let mut summary = CycleSummary::default();
+        let pools: Vec<String> = self.cfg.pools.keys().cloned().collect();
+        let ready: Vec<String> = pools
+            .iter()
+            .filter(|p| self.backoff[*p].ready(now))
+            .cloned()
+            .collect();
+        summary.skipped = pools
+            .iter()
+            .filter(|p| !ready.contains(p))
+            .cloned()
+            .collect();
+        if ready.is_empty() {
+            return summary;
+        }
+        if let Err(e) = self.broker.ensure_connected().await {
+            let e = ObserveError::Broker(e);
+            for p in &ready {
+                self.fail_pool(p, now, &e, None);
+            }
+            summary.failed = ready;
+            return summary;
+        }
+        let servers = match self
+            .cloud
+            .list_servers(&cluster_tag(&self.cfg.cluster))
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.metrics.cloud_errors.inc();
+                let ra = e.retry_after();
+                let e = ObserveError::Servers(e);
+                for p in &ready {
+                    self.fail_pool(p, now, &e, ra);
+                }
+                summary.failed = ready;
+                return summary;
+            }
+        };
+        let mut quota = match self.cloud.quota().await {
+            Ok(q) => q.remaining(),
+            Err(e) => {
+                self.metrics.cloud_errors.inc();
+                tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
+                Some(0)
+            }
+        };
+        let events = self.broker.snapshot(now);
+        let clock = Clock {
+            now,
+            unix_now: unix_now(),
+            listening_secs: events
+                .listening_secs
+                .min(now.saturating_duration_since(self.started).as_secs_f64()),
+        };
+        let timing = Timing {
+            heartbeat_timeout_secs: self.cfg.heartbeat_timeout_secs,
+        };
+        for pool in ready {
+            let depth = match self.broker.queue_depth(&pool).await {
+                Ok(d) => d,
+                Err(source) => {
+                    let e = ObserveError::QueueDepth {
+                        queue: Topology::new(self.cfg.cluster.clone()).pool_queue(&pool),
+                        source,
+                    };
+                    self.fail_pool(&pool, now, &e, None);
+                    summary.failed.push(pool);
+                    continue;
+                }
+            };
+            let pool_cfg = self.cfg.pools[&pool].clone();
+            let mut observed = assemble(
+                &self.cfg.cluster,
+                &pool,
+                &servers,
+                &events.agents,
+                events.demand.get(&pool),
+                depth,
+                quota,
+                clock,
+            );
+            let since = |m: &BTreeMap<String, Instant>| {
+                m.get(&pool)
+                    .map(|t| now.saturating_duration_since(*t).as_secs_f64())
+            };
+            observed.since_scale_down_secs = since(&self.last_scale_down);
+            observed.since_boot_failure_secs = since(&self.last_boot_failure);
+            let planned = plan(&observed, &pool_cfg, timing);
+            for h in &planned.held {
+                tracing::info!(pool = %pool, reason = %h, "held back");
+            }
+            tracing::debug!(pool = %pool, target = planned.target, active = planned.active, booting = planned.booting, queued = observed.queued, running = observed.running, "planned");
+            self.publish_status(&pool, &observed, &planned);
+            if shutdown.is_cancelled() {
+                if !planned.actions.is_empty() {
+                    tracing::info!(pool = %pool, actions = planned.actions.len(), "shutting down: not acting");
+                }
+                summary.ok.push(pool);
+                continue;
+            }
+            let report = act(
+                PoolRef {
+                    cluster: &self.cfg.cluster,
+                    name: &pool,
+                    cfg: &pool_cfg,
+                },
+                &planned.actions,
+                &self.cloud,
+                &self.broker,
+            )
+            .await;
+            if let Some(q) = quota.as_mut() {
+                *q = q.saturating_sub(report.created.len() as u32);
+            }
+            summary.created += report.created.len() as u32;
+            summary.deleted += report.deleted.len() as u32;
+            self.metrics
+                .created
+                .get_or_create(&Metrics::pool(&pool))
+                .inc_by(report.created.len() as u64);
+            for (_, cause) in &report.deleted {
+                self.metrics
+                    .deleted
+                    .get_or_create(&Metrics::pool_and(&pool, "reason", cause.label()))
+                    .inc();
+            }
+            if !report.asked.is_empty() {
+                self.last_scale_down.insert(pool.clone(), now);
+            }
+            if report.boot_failed {
+                self.last_boot_failure.insert(pool.clone(), now);
+            }
+            let cloud_errors = report
+                .errors
+                .iter()
+                .filter(|e| {
+                    matches!(
+                        e,
+                        crate::error::ActError::Create { .. }
+                            | crate::error::ActError::Delete { .. }
+                            | crate::error::ActError::Resolve { .. }
+                    )
+                })
+                .count();
+            self.metrics.cloud_errors.inc_by(cloud_errors as u64);
+            match report.errors.first() {
+                Some(e) => {
+                    let ra = e.retry_after();
+                    if !e.is_transient() {
+                        tracing::error!(pool = %pool, error = %e, "permanent error; check the pool's configuration and the cloud");
+                    }
+                    let e = format!(
+                        "{e}: {}",
+                        std::error::Error::source(e)
+                            .map(|s| s.to_string())
+                            .unwrap_or_default()
+                    );
+                    self.fail_pool(&pool, now, &StrError(e), ra);
+                    summary.failed.push(pool);
+                }
+                None => {
+                    self.backoff.get_mut(&pool).expect("pool").succeeded();
+                    summary.ok.push(pool);
+                }
+            }
+        }
+        summary
+    }
+
+    fn publish_status(
+        &self,
+        pool: &str,
+        observed: &crate::observe::Observed,
+        planned: &crate::plan::Plan,
+    ) {
+        let mut vms = crate::status::VmCounts::default();
+        let mut agents = crate::status::AgentCounts::default();
+        let mut servers = Vec::new();
+        for (s, c) in observed.servers.iter().zip(&planned.classes) {
+            match c {
+                Class::Booting | Class::Unknown => vms.booting += 1,
+                Class::Idle => {
+                    vms.active += 1;
+                    agents.idle += 1;
+                }
+                Class::Busy => {
+                    vms.active += 1;
+                    agents.busy += 1;
+                }
+                Class::Draining | Class::Agreed => {
+                    vms.draining += 1;
+                    agents.draining += 1;
+                }
+                Class::Error | Class::StuckBuild | Class::BlackHole | Class::Dead => vms.error += 1,
+                Class::Vanishing => {}
+            }
+            servers.push(ServerStatus {
+                id: s.id.clone(),
+                name: s.name.clone(),
+                status: match &s.status {
+                    crate::observe::NovaStatus::Build => "BUILD".into(),
+                    crate::observe::NovaStatus::Active => "ACTIVE".into(),
+                    crate::observe::NovaStatus::Error => "ERROR".into(),
+                    crate::observe::NovaStatus::Deleting => "DELETING".into(),
+                    crate::observe::NovaStatus::Other(o) => o.clone(),
+                },
+                agent_state: c.agent_state().into(),
+                running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
+            });
+        }
+        let m = &self.metrics;
+        m.pool_queued
+            .get_or_create(&Metrics::pool(pool))
+            .set(observed.queued as i64);
+        m.pool_running
+            .get_or_create(&Metrics::pool(pool))
+            .set(observed.running as i64);
+        m.pool_target
+            .get_or_create(&Metrics::pool(pool))
+            .set(i64::from(planned.target));
+        for (state, n) in [
+            ("booting", vms.booting),
+            ("active", vms.active),
+            ("draining", vms.draining),
+            ("error", vms.error),
+        ] {
+            m.pool_vms
+                .get_or_create(&Metrics::pool_and(pool, "state", state))
+                .set(i64::from(n));
+        }
+        let now = unix_now();
+        let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
+        st.generated_at = now;
+        st.uptime_secs = self.started.elapsed().as_secs_f64();
+        let ps = st.pools.entry(pool.to_string()).or_default();
+        ps.queued = observed.queued;
+        ps.running = observed.running;
+        ps.target = planned.target;
+        ps.vms = vms;
+        ps.agents = agents;
+        ps.servers = servers;
+        ps.observed_at = now;
+        ps.last_error = None;
+        for a in &planned.actions {
+            ps.last_decisions.push(Decision {
+                at: now as u64,
+                action: a.kind().into(),
+                server: match a {
+                    Action::Boot { .. } => None,
+                    Action::AskDelete { agent, .. } => Some(agent.clone()),
+                    Action::Delete { name, .. } => Some(name.clone()),
+                },
+                reason: a.reason().into(),
+            });
+        }
+        let excess = ps.last_decisions.len().saturating_sub(DECISIONS_KEPT);
+        ps.last_decisions.drain(..excess);
+    }
+}
+
+#[derive(Debug)]
+struct StrError(String);
+
+impl std::fmt::Display for StrError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StrError {}
+
+/// Options of [`run`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Run one cycle, then return.
+    pub once: bool,
+}
+
+/// Runs the controller until `shutdown` is cancelled (or one cycle with
+/// `once`): credentials from clouds.yaml/`OS_*`, the status endpoint on
+/// `listen`, the reconcile loop every `interval_secs`. The cycle running when
+/// `shutdown` is cancelled finishes without acting on the remaining pools;
+/// then the broker connection is closed.
+///
+/// # Errors
+/// [`RunError`] if the credentials are missing, the HTTP client cannot be
+/// built or `listen` cannot be bound.
+pub async fn run(
+    cfg: ControllerConfig,
+    opts: RunOptions,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let env = |k: &str| std::env::var(k).ok();
+    let creds = Credentials::discover(&cfg.openstack, &env)?;
+    tracing::info!(origin = %creds.origin, auth_url = %creds.auth_url, "OpenStack credentials found");
+    let cloud = HttpCloud::new(creds, cfg.openstack.compute_microversion.clone())
+        .map_err(RunError::HttpClient)?;
+    let broker = Broker::new(
+        cfg.broker.clone(),
+        Topology::new(cfg.cluster.clone()),
+        cfg.pools.keys().cloned().collect(),
+    );
+    let interval = Duration::from_secs_f64(cfg.interval_secs);
+    let listen = cfg.listen.clone();
+    let mut ctl = Controller::new(cfg, cloud, broker)?;
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    tracing::info!(listen = %listen, "serving /healthz, /status and /metrics");
+    let http_stop = CancellationToken::new();
+    let http = tokio::spawn(crate::http::serve(
+        listener,
+        AppState {
+            status: ctl.status.clone(),
+            metrics: ctl.metrics.clone(),
+        },
+        http_stop.clone(),
+    ));
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.cancelled() => break,
+        }
+        let s = ctl.cycle(&shutdown).await;
+        tracing::debug!(?s, "cycle done");
+        if opts.once {
+            tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
+            break;
+        }
+        if shutdown.is_cancelled() {
+            break;
+        }
+    }
+    ctl.broker().close().await;
+    http_stop.cancel();
+    match http.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),
+        Err(e) => tracing::warn!(error = %e, "status endpoint task failed"),
+        Ok(Ok(())) => {}
+    }
+    Ok(())
+}

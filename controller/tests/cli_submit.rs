@@ -1,0 +1,446 @@
+//! The `vq` CLI against the real RabbitMQ (`VQ_TEST_BROKER_URL`, default the
+//! local guest account), each test under a fresh random cluster name.
+//!
+//! The agent's side is played by the test: it takes the job from the pool
+//! queue and publishes the job events an agent would.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use lapin::options::{
+    BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use vq_common::amqp;
+use vq_common::config::BrokerConfig;
+use vq_common::messages::{Control, Job, JobEvent, JobState, Message, Outcome, Usage};
+use vq_common::pbs::Directives;
+use vq_common::topology::{job_event_key, Topology};
+use vq_controller::cli::events::read_job_events;
+use vq_controller::cli::submit::{build_job, new_job_id, publish_job, SubmitContext};
+use vq_controller::cli::CliError;
+
+fn broker_url() -> String {
+    std::env::var("VQ_TEST_BROKER_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn broker() -> BrokerConfig {
+    BrokerConfig {
+        url: broker_url(),
+        ..BrokerConfig::default()
+    }
+}
+
+fn broker_user() -> String {
+    broker_url()
+        .parse::<lapin::uri::AMQPUri>()
+        .unwrap()
+        .authority
+        .userinfo
+        .username
+}
+
+fn cluster() -> String {
+    format!("vqcli{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+}
+
+fn ctx(cluster: &str) -> SubmitContext {
+    SubmitContext {
+        job_id: new_job_id(cluster),
+        user: "alice".into(),
+        home: "/home/alice".into(),
+        login_shell: "/bin/bash".into(),
+        submit_dir: "/home/alice/w".into(),
+        host: "ui01".into(),
+        env: BTreeMap::new(),
+        now: 1_700_000_000,
+        broker_url: broker_url(),
+        is_dir: |_| false,
+    }
+}
+
+/// Deletes everything `declare_topology` created for `pools`.
+async fn cleanup(conn: &lapin::Connection, topo: &Topology, pools: &[&str]) {
+    let ch = conn.create_channel().await.unwrap();
+    let mut queues = vec![
+        topo.dead_queue(),
+        topo.event_log_queue(),
+        topo.demand_queue(),
+    ];
+    queues.extend(pools.iter().map(|p| topo.pool_queue(p)));
+    for q in queues {
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    for e in [
+        topo.jobs_exchange(),
+        topo.dead_exchange(),
+        topo.events_exchange(),
+        topo.demand_exchange(),
+        topo.control_exchange(),
+    ] {
+        let _ = ch
+            .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
+            .await;
+    }
+}
+
+async fn get_one(ch: &lapin::Channel, queue: &str) -> lapin::message::BasicGetMessage {
+    for _ in 0..100 {
+        if let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no message in {queue} after 10 s");
+}
+
+async fn publish_event(ch: &lapin::Channel, topo: &Topology, ev: &JobEvent) {
+    amqp::publish_message(
+        ch,
+        &topo.events_exchange(),
+        &job_event_key(&ev.pool, ev.state.routing_word()),
+        ev,
+        true,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+}
+
+fn event(job: &Job, agent: &str, state: JobState) -> JobEvent {
+    JobEvent {
+        schema: 1,
+        job_id: job.id.clone(),
+        job_name: job.name.clone(),
+        owner: job.owner.clone(),
+        pool: job.pool.clone(),
+        agent: agent.into(),
+        at: vq_common::messages::unix_now(),
+        state,
+    }
+}
+
+fn vq(cluster: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vq"));
+    cmd.env("VQ_BROKER_URL", broker_url())
+        .env("VQ_CLUSTER", cluster)
+        .env("XDG_CONFIG_HOME", "/nonexistent")
+        .env_remove("VQ_CONTROLLER_URL");
+    cmd
+}
+
+#[tokio::test]
+async fn a_submitted_job_lands_in_its_pool_queue_with_validated_ids() {
+    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+
+    let built = build_job(
+        b"#!/bin/sh\n#PBS -N t1\n#PBS -q p1\n#PBS -l walltime=00:01:00\necho hi\n",
+        "t1.pbs",
+        Directives::default(),
+        &ctx(topo.cluster()),
+    )
+    .unwrap();
+    let job = built.job;
+    publish_job(&ch, &topo, &job, &broker_user(), Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    let got = get_one(&ch, &topo.pool_queue("p1")).await;
+    let props = &got.delivery.properties;
+    assert_eq!(
+        props.message_id().as_ref().map(|s| s.as_str()),
+        Some(job.id.as_str())
+    );
+    assert_eq!(
+        props.user_id().as_ref().map(|s| s.to_string()),
+        Some(broker_user())
+    );
+    assert_eq!(
+        props.content_type().as_ref().map(|s| s.as_str()),
+        Some("application/json")
+    );
+    assert_eq!(props.delivery_mode(), &Some(2));
+    let body = Job::decode(&got.delivery.data).unwrap();
+    assert_eq!(body, job);
+    assert_eq!(body.walltime, Some(60));
+
+    cleanup(&conn, &topo, &["p1"]).await;
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn unknown_pools_and_clusters_are_clear_errors() {
+    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+
+    let mut job = build_job(b"true\n", "j", Directives::default(), &ctx(topo.cluster()))
+        .unwrap()
+        .job;
+    job.pool = "nope".into();
+    let err = publish_job(&ch, &topo, &job, &broker_user(), Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CliError::NoSuchPool { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("no pool named \"nope\"") && text.contains(topo.cluster()),
+        "{text}"
+    );
+    assert_eq!(err.exit_code(), 64);
+
+    // A cluster whose exchanges were never declared.
+    let ch2 = amqp::confirm_channel(&conn).await.unwrap();
+    let other = Topology::new(cluster());
+    let err = publish_job(&ch2, &other, &job, &broker_user(), Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CliError::NoSuchCluster { .. }), "{err:?}");
+
+    // The binary says the same and exits 64.
+    let out = vq(topo.cluster())
+        .args(["submit", "-q", "nope", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b"true\n")?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("no pool named \"nope\""), "{stderr}");
+    assert!(out.stdout.is_empty());
+
+    cleanup(&conn, &topo, &["p1"]).await;
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
+    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_topology(&ch, &topo, ["default"])
+        .await
+        .unwrap();
+
+    let dir = std::env::temp_dir().join(format!("vq-cli-{}", topo.cluster()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("exit3.pbs");
+    std::fs::write(&script, "#!/bin/bash\n#PBS -N exit3\n#PBS -j oe\nexit 3\n").unwrap();
+
+    let child = vq(topo.cluster())
+        .current_dir(&dir)
+        .args(["submit", "--wait", script.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+
+    // Play the agent.
+    let got = get_one(&ch, &topo.pool_queue("default")).await;
+    let job = Job::decode(&got.delivery.data).unwrap();
+    assert_eq!(job.name, "exit3");
+    assert_eq!(job.workdir.as_deref(), Some(dir.to_str().unwrap()));
+    assert_eq!(
+        job.stdout,
+        Some(format!("{}/exit3.o{}", dir.display(), job.seq()))
+    );
+    publish_event(&ch, &topo, &event(&job, "agent-1", JobState::Started)).await;
+    let finished = JobState::Finished {
+        outcome: Outcome::Exited { code: 3 },
+        usage: Usage {
+            wall_secs: 1.0,
+            ..Default::default()
+        },
+    };
+    publish_event(&ch, &topo, &event(&job, "agent-1", finished)).await;
+
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), job.id);
+    assert!(stderr.contains("started on agent-1"), "{stderr}");
+
+    // The event stream has both events, and vq stat shows the job.
+    let events = read_job_events(&conn, &topo).await.unwrap().unwrap();
+    assert_eq!(events.len(), 2);
+    let out = vq(topo.cluster()).args(["stat", "-a"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text.lines().find(|l| l.starts_with(&job.id)).expect(&text);
+    assert!(
+        line.contains(" C ") && line.contains(" 3 ") && line.contains("agent-1"),
+        "{text}"
+    );
+
+    std::fs::remove_dir_all(Path::new(&dir)).unwrap();
+    cleanup(&conn, &topo, &["default"]).await;
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn stat_without_a_stream_says_no_jobs() {
+    let out = vq(&cluster()).args(["stat"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no jobs");
+}
+
+#[tokio::test]
+async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
+    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
+    let ch = amqp::confirm_channel(&conn).await.unwrap();
+    let topo = Topology::new(cluster());
+    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+    // The agent's control queue.
+    let control = topo.control_queue("ag1");
+    ch.queue_declare(
+        control.as_str().into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        control.as_str().into(),
+        topo.control_exchange().as_str().into(),
+        "ag1".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+
+    let mut job = build_job(
+        b"sleep 100\n",
+        "j",
+        Directives::default(),
+        &ctx(topo.cluster()),
+    )
+    .unwrap()
+    .job;
+    job.pool = "p1".into();
+    job.owner = nix::unistd::User::from_uid(nix::unistd::getuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    publish_event(&ch, &topo, &event(&job, "ag1", JobState::Started)).await;
+
+    let prefix = &job.id[..8];
+    let out = vq(topo.cluster())
+        .args(["cancel", prefix])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = get_one(&ch, &control).await;
+    assert_eq!(
+        Control::decode(&got.delivery.data).unwrap(),
+        Control::Cancel {
+            job_id: job.id.clone()
+        }
+    );
+    assert_eq!(
+        got.delivery
+            .properties
+            .user_id()
+            .as_ref()
+            .map(|s| s.to_string()),
+        Some(broker_user())
+    );
+
+    let out = vq(topo.cluster())
+        .args(["cancel", "doesnotexist"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+
+    let out = vq(topo.cluster()).args(["drain", "ag1"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = get_one(&ch, &control).await;
+    assert!(matches!(
+        Control::decode(&got.delivery.data).unwrap(),
+        Control::Drain { .. }
+    ));
+    let out = vq(topo.cluster())
+        .args(["drain", "ghost"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("no agent named \"ghost\""), "{stderr}");
+
+    cleanup(&conn, &topo, &["p1"]).await;
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+#[test]
+fn an_unreachable_broker_exits_69() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
+        .env("VQ_BROKER_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+        .env("XDG_CONFIG_HOME", "/nonexistent")
+        .args(["stat"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(69),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_usage_exits_64() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
+        .args(["submit", "-k", "oe", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
+        .env("XDG_CONFIG_HOME", "/nonexistent")
+        .args(["submit", "/nonexistent/script.pbs"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent/script.pbs"));
+}

@@ -1,0 +1,195 @@
+//! Reconcile against a fake cloud and a fake broker: idempotency, backoff
+//! and quota.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use vq_common::amqp::AmqpError;
+use vq_common::config::{ControllerConfig, PoolConfig};
+use vq_common::messages::Control;
+use vq_controller::act::Messenger;
+use vq_controller::broker::EventSnapshot;
+use vq_controller::error::CloudError;
+use vq_controller::openstack::{CloudApi, CreateServer, Quota, Server};
+use vq_controller::reconcile::{BrokerApi, Controller};
+
+#[derive(Default)]
+struct FakeCloud {
+    servers: Mutex<Vec<Server>>,
+    fail_creates: Mutex<u32>,
+    max_instances: Option<u32>,
+    creates: Mutex<u32>,
+}
+
+impl CloudApi for FakeCloud {
+    async fn list_servers(&self, tag: &str) -> Result<Vec<Server>, CloudError> {
+        Ok(self
+            .servers
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.tags.iter().any(|t| t == tag))
+            .cloned()
+            .collect())
+    }
+    async fn create_server(&self, req: &CreateServer) -> Result<String, CloudError> {
+        let mut fail = self.fail_creates.lock().unwrap();
+        if *fail > 0 {
+            *fail -= 1;
+            return Err(CloudError::Status {
+                op: "POST /servers".into(),
+                status: 429,
+                message: "slow down".into(),
+                retry_after: None,
+            });
+        }
+        *self.creates.lock().unwrap() += 1;
+        let ud = String::from_utf8(req.user_data.clone()).unwrap();
+        assert!(ud.contains(&req.name), "user-data names the agent");
+        let id = format!("srv-{}", req.name);
+        self.servers.lock().unwrap().push(Server {
+            id: id.clone(),
+            name: req.name.clone(),
+            status: "BUILD".into(),
+            task_state: None,
+            created: Some(vq_common::messages::unix_now()),
+            metadata: req.metadata.clone(),
+            tags: req.tags.clone(),
+            fault: None,
+        });
+        Ok(id)
+    }
+    async fn delete_server(&self, id: &str) -> Result<(), CloudError> {
+        self.servers.lock().unwrap().retain(|s| s.id != id);
+        Ok(())
+    }
+    async fn resolve_flavor(&self, name: &str) -> Result<String, CloudError> {
+        Ok(format!("flavor-{name}"))
+    }
+    async fn resolve_image(&self, name: &str) -> Result<String, CloudError> {
+        Ok(format!("image-{name}"))
+    }
+    async fn quota(&self) -> Result<Quota, CloudError> {
+        Ok(Quota {
+            max_instances: self.max_instances,
+            used_instances: self.servers.lock().unwrap().len() as u32,
+        })
+    }
+}
+
+#[derive(Default)]
+struct FakeBroker {
+    depth: Mutex<BTreeMap<String, u64>>,
+    sent: Mutex<Vec<(String, Control)>>,
+}
+
+impl Messenger for FakeBroker {
+    async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
+        self.sent.lock().unwrap().push((agent.into(), msg.clone()));
+        Ok(())
+    }
+}
+
+impl BrokerApi for FakeBroker {
+    async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        Ok(())
+    }
+    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        Ok(*self.depth.lock().unwrap().get(pool).unwrap_or(&0))
+    }
+    fn snapshot(&self, _now: Instant) -> EventSnapshot {
+        EventSnapshot::default()
+    }
+}
+
+fn config(max: u32) -> ControllerConfig {
+    let mut cfg = ControllerConfig::default();
+    cfg.pools.insert(
+        "cms".into(),
+        PoolConfig {
+            flavor: "m1.tiny".into(),
+            image: "cirros".into(),
+            agent_broker_url: "amqp://a:b@h/%2f".into(),
+            max,
+            ..PoolConfig::default()
+        },
+    );
+    cfg
+}
+
+fn broker_with_depth(depth: u64) -> FakeBroker {
+    let b = FakeBroker::default();
+    b.depth.lock().unwrap().insert("cms".into(), depth);
+    b
+}
+
+#[tokio::test]
+async fn rerunning_a_cycle_creates_no_duplicates() {
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3)).unwrap();
+    let stop = CancellationToken::new();
+    let s1 = ctl.cycle(&stop).await;
+    assert_eq!(s1.created, 3);
+    for _ in 0..3 {
+        let s = ctl.cycle(&stop).await;
+        assert_eq!(s.created, 0, "{s:?}");
+        assert_eq!(s.ok, vec!["cms".to_string()]);
+    }
+    assert_eq!(*ctl.cloud().creates.lock().unwrap(), 3);
+    let servers = ctl.cloud().servers.lock().unwrap().clone();
+    assert!(servers.iter().all(|s| s.name.starts_with("vq-cms-")
+        && s.metadata["vq-pool"] == "cms"
+        && s.tags == vec!["vq-cluster-vq".to_string()]));
+    let status = ctl.status.read().unwrap().clone();
+    assert_eq!(status.pools["cms"].vms.booting, 3);
+    assert_eq!(status.pools["cms"].target, 3);
+    assert!(ctl
+        .metrics
+        .render()
+        .contains("vq_servers_created_total{pool=\"cms\"} 3"));
+}
+
+#[tokio::test]
+async fn a_transient_create_failure_backs_the_pool_off() {
+    let cloud = FakeCloud::default();
+    *cloud.fail_creates.lock().unwrap() = 1;
+    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(2)).unwrap();
+    let stop = CancellationToken::new();
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.failed, vec!["cms".to_string()]);
+    assert_eq!(s.created, 0, "the first failed boot stops the others");
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.skipped, vec!["cms".to_string()], "backing off: {s:?}");
+    assert!(ctl.status.read().unwrap().pools["cms"]
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("429"));
+}
+
+#[tokio::test]
+async fn quota_and_max_bound_the_boots() {
+    let cloud = FakeCloud {
+        max_instances: Some(2),
+        ..FakeCloud::default()
+    };
+    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(50)).unwrap();
+    let stop = CancellationToken::new();
+    assert_eq!(ctl.cycle(&stop).await.created, 2);
+    assert_eq!(ctl.cycle(&stop).await.created, 0);
+
+    let mut ctl = Controller::new(config(4), FakeCloud::default(), broker_with_depth(50)).unwrap();
+    assert_eq!(ctl.cycle(&stop).await.created, 4);
+    assert_eq!(ctl.cycle(&stop).await.created, 0);
+}
+
+#[tokio::test]
+async fn after_shutdown_nothing_is_acted_on() {
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3)).unwrap();
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.created, 0);
+    assert_eq!(ctl.status.read().unwrap().pools["cms"].target, 3);
+}

@@ -1,0 +1,201 @@
+//! Error types of the jobagent, one enum per area (STYLE practice 3).
+
+use std::path::PathBuf;
+
+use vq_common::amqp::AmqpError;
+use vq_common::messages::DecodeError;
+
+/// Why a job was refused before it ran. The `Display` text is the reason
+/// published in the `job.<pool>.failed` event and in the dead-letter header.
+#[derive(Debug, thiserror::Error)]
+pub enum Rejection {
+    /// The body is not a valid job message.
+    #[error("job message cannot be decoded")]
+    Malformed(#[source] DecodeError),
+    /// The job names another pool than the one this agent serves.
+    #[error("job is for pool {job_pool:?}, this agent serves pool {our_pool:?}")]
+    WrongPool {
+        /// Pool named in the job.
+        job_pool: String,
+        /// Pool of the agent.
+        our_pool: String,
+    },
+    /// A job field has a value the agent cannot use.
+    #[error("job field {field}: {problem}")]
+    BadField {
+        /// Field name.
+        field: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The script is larger than the configured limit.
+    #[error("job script is {size} bytes, larger than max_script_bytes {limit}")]
+    ScriptTooLarge {
+        /// Script size, bytes.
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
+    },
+    /// The message carries no broker-validated `user_id`.
+    #[error("job message has no AMQP user_id, so its submitter is unknown")]
+    NoSubmitter,
+    /// The submitter may not submit jobs for this owner.
+    #[error("submitter {submitter:?} may not submit jobs for owner {owner:?}")]
+    SubmitterNotAllowed {
+        /// Broker user that published the job.
+        submitter: String,
+        /// Owner named in the job.
+        owner: String,
+    },
+    /// The user database could not be read.
+    #[error("cannot look up {what} {name:?} in the user database")]
+    Lookup {
+        /// `user` or `group`.
+        what: &'static str,
+        /// Name looked up.
+        name: String,
+        /// Cause.
+        #[source]
+        source: nix::Error,
+    },
+    /// The owner does not exist on this host.
+    #[error("owner {owner:?} does not exist on this host")]
+    UnknownOwner {
+        /// Owner named in the job.
+        owner: String,
+    },
+    /// The owner is root (uid 0): never allowed.
+    #[error("owner {owner:?} has uid 0: jobs never run as root")]
+    RootOwner {
+        /// Owner named in the job.
+        owner: String,
+    },
+    /// The owner's uid is below `min_uid`.
+    #[error("owner {owner:?} has uid {uid} below min_uid {min_uid}")]
+    UidBelowMin {
+        /// Owner.
+        owner: String,
+        /// Owner's uid.
+        uid: u32,
+        /// Configured minimum.
+        min_uid: u32,
+    },
+    /// The owner is in `deny_owners`.
+    #[error("owner {owner:?} is in deny_owners")]
+    OwnerDenied {
+        /// Owner.
+        owner: String,
+    },
+    /// `allow_owners` is set and does not name the owner.
+    #[error("owner {owner:?} is not in allow_owners")]
+    OwnerNotAllowed {
+        /// Owner.
+        owner: String,
+    },
+    /// The requested group does not exist.
+    #[error("group {group:?} does not exist on this host")]
+    UnknownGroup {
+        /// Group named in the job.
+        group: String,
+    },
+    /// The owner is not a member of the requested group.
+    #[error("owner {owner:?} is not a member of group {group:?}")]
+    NotInGroup {
+        /// Owner.
+        owner: String,
+        /// Group.
+        group: String,
+    },
+    /// The working directory is unusable.
+    #[error("working directory {path}: {problem}")]
+    Workdir {
+        /// Path.
+        path: PathBuf,
+        /// What is wrong.
+        problem: &'static str,
+    },
+    /// The shell is unusable.
+    #[error("shell {path}: {problem}")]
+    Shell {
+        /// Path.
+        path: PathBuf,
+        /// What is wrong.
+        problem: &'static str,
+    },
+    /// A job with this id is already running here and the delivery is not a
+    /// redelivery of it.
+    #[error("a job with id {job_id:?} is already running on this agent")]
+    DuplicateId {
+        /// Job id.
+        job_id: String,
+    },
+}
+
+/// A job could not be started; becomes `Outcome::FailedToStart`.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Preparing the script, pipes or the command in the parent failed.
+    #[error("cannot prepare the job process: {what}")]
+    Prepare {
+        /// Which step.
+        what: &'static str,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A step in the child between fork and exec failed (reported through
+    /// the spawn pipe).
+    #[error("{step} failed in the job process")]
+    Child {
+        /// Which step, e.g. `open stdout file /home/u/x.o1 as the owner`.
+        step: String,
+        /// The errno of the failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `exec` of the shell failed.
+    #[error("cannot execute shell {shell}")]
+    Exec {
+        /// Shell path.
+        shell: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Errors that end a broker session (the agent reconnects) or the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// A broker operation failed.
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    /// The broker cancelled our consumer or closed a channel.
+    #[error("the broker ended the {what}")]
+    Lost {
+        /// What ended, e.g. `pool queue consumer`.
+        what: &'static str,
+    },
+    /// The state directory could not be created.
+    #[error("cannot create state directory {path}")]
+    StateDir {
+        /// Path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Renders an error with its whole `source` chain on one line, for event
+/// reasons and logs.
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cur = e.source();
+    }
+    out
+}

@@ -1,0 +1,466 @@
+//! Pure job validation and launch planning: job + submitter + config + user
+//! database → [`LaunchPlan`] or a [`Rejection`]. Everything the child needs
+//! after `fork` is decided here, in the parent (STYLE practice 10).
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use vq_common::config::AgentConfig;
+use vq_common::messages::{Job, Join};
+
+use crate::error::Rejection;
+use crate::sys::Sys;
+
+/// Shell used when neither the job nor the owner's passwd entry names one.
+pub const FALLBACK_SHELL: &str = "/bin/sh";
+
+/// Everything needed to start one job, decided before `fork`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchPlan {
+    /// Job id (for logs).
+    pub job_id: String,
+    /// Owner's login name.
+    pub owner: String,
+    /// User id the job runs as (never 0).
+    pub uid: u32,
+    /// Group id the job runs as.
+    pub gid: u32,
+    /// Supplementary groups (the owner's full group list).
+    pub groups: Vec<u32>,
+    /// Absolute shell path; the script is passed to it as a file argument.
+    pub shell: CString,
+    /// The script text.
+    pub script: Vec<u8>,
+    /// The complete job environment (nothing of the agent's), in order.
+    pub env: Vec<(String, String)>,
+    /// Working directory.
+    pub cwd: CString,
+    /// File that receives stdout (and stderr with `-j oe`).
+    pub stdout: CString,
+    /// File that receives stderr (and stdout with `-j eo`).
+    pub stderr: CString,
+    /// How the streams are joined.
+    pub join: Join,
+    /// File mode creation mask.
+    pub umask: u32,
+    /// Walltime limit.
+    pub walltime: Duration,
+}
+
+fn cstring(field: &'static str, s: &str) -> Result<CString, Rejection> {
+    CString::new(s).map_err(|_| Rejection::BadField {
+        field,
+        problem: "contains a NUL byte".into(),
+    })
+}
+
+fn check_token(field: &'static str, s: &str) -> Result<(), Rejection> {
+    if s.is_empty() {
+        return Err(Rejection::BadField {
+            field,
+            problem: "is empty".into(),
+        });
+    }
+    if s.contains(['/', '\0']) || s.chars().any(char::is_control) {
+        return Err(Rejection::BadField {
+            field,
+            problem: format!("{s:?} contains '/', NUL or a control character"),
+        });
+    }
+    Ok(())
+}
+
+fn absolute(field: &'static str, p: &str) -> Result<(), Rejection> {
+    if !p.starts_with('/') {
+        return Err(Rejection::BadField {
+            field,
+            problem: format!("{p:?} is not an absolute path"),
+        });
+    }
+    Ok(())
+}
+
+/// Validates `job` (published by broker user `submitter`) against `cfg` and
+/// the host's user database, and builds its [`LaunchPlan`].
+///
+/// # Errors
+/// The first [`Rejection`] found; its text is the reason reported in the
+/// `job.<pool>.failed` event.
+pub fn plan_job(
+    job: &Job,
+    submitter: Option<&str>,
+    cfg: &AgentConfig,
+    sys: &dyn Sys,
+) -> Result<LaunchPlan, Rejection> {
+    if job.pool != cfg.pool {
+        return Err(Rejection::WrongPool {
+            job_pool: job.pool.clone(),
+            our_pool: cfg.pool.clone(),
+        });
+    }
+    check_token("id", &job.id)?;
+    check_token("name", &job.name)?;
+    if job.script.len() > cfg.max_script_bytes {
+        return Err(Rejection::ScriptTooLarge {
+            size: job.script.len(),
+            limit: cfg.max_script_bytes,
+        });
+    }
+    let submitter = submitter.ok_or(Rejection::NoSubmitter)?;
+    if !cfg.submitters.allows(submitter, &job.owner) {
+        return Err(Rejection::SubmitterNotAllowed {
+            submitter: submitter.into(),
+            owner: job.owner.clone(),
+        });
+    }
+    let user = sys
+        .user_by_name(&job.owner)
+        .map_err(|source| Rejection::Lookup {
+            what: "user",
+            name: job.owner.clone(),
+            source,
+        })?
+        .ok_or_else(|| Rejection::UnknownOwner {
+            owner: job.owner.clone(),
+        })?;
+    if user.uid == 0 {
+        return Err(Rejection::RootOwner {
+            owner: user.name.clone(),
+        });
+    }
+    if user.uid < cfg.min_uid {
+        return Err(Rejection::UidBelowMin {
+            owner: user.name.clone(),
+            uid: user.uid,
+            min_uid: cfg.min_uid,
+        });
+    }
+    if cfg.deny_owners.contains(&user.name) {
+        return Err(Rejection::OwnerDenied {
+            owner: user.name.clone(),
+        });
+    }
+    if !cfg.allow_owners.is_empty() && !cfg.allow_owners.contains(&user.name) {
+        return Err(Rejection::OwnerNotAllowed {
+            owner: user.name.clone(),
+        });
+    }
+    let groups = sys
+        .group_list(&user.name, user.gid)
+        .map_err(|source| Rejection::Lookup {
+            what: "group list of user",
+            name: user.name.clone(),
+            source,
+        })?;
+    let gid = match &job.group {
+        None => user.gid,
+        Some(name) => {
+            let group = sys
+                .group_by_name(name)
+                .map_err(|source| Rejection::Lookup {
+                    what: "group",
+                    name: name.clone(),
+                    source,
+                })?
+                .ok_or_else(|| Rejection::UnknownGroup {
+                    group: name.clone(),
+                })?;
+            if group.gid != user.gid && !groups.contains(&group.gid) {
+                return Err(Rejection::NotInGroup {
+                    owner: user.name.clone(),
+                    group: name.clone(),
+                });
+            }
+            group.gid
+        }
+    };
+
+    let workdir = job.workdir.clone().unwrap_or_else(|| user.home.clone());
+    if !workdir.starts_with('/') {
+        return Err(Rejection::Workdir {
+            path: workdir.into(),
+            problem: "is not an absolute path",
+        });
+    }
+    if !sys.is_dir(Path::new(&workdir)) {
+        return Err(Rejection::Workdir {
+            path: workdir.into(),
+            problem: "does not exist or is not a directory",
+        });
+    }
+    let shell = match &job.shell {
+        Some(s) => s.clone(),
+        None if user.shell.is_empty() => FALLBACK_SHELL.into(),
+        None => user.shell.clone(),
+    };
+    if !shell.starts_with('/') {
+        return Err(Rejection::Shell {
+            path: PathBuf::from(shell),
+            problem: "is not an absolute path",
+        });
+    }
+    if !sys.is_file(Path::new(&shell)) {
+        return Err(Rejection::Shell {
+            path: PathBuf::from(shell),
+            problem: "does not exist or is not a file",
+        });
+    }
+    let stdout = job
+        .stdout
+        .clone()
+        .unwrap_or_else(|| job.default_stdout(&workdir));
+    let stderr = job
+        .stderr
+        .clone()
+        .unwrap_or_else(|| job.default_stderr(&workdir));
+    absolute("stdout", &stdout)?;
+    absolute("stderr", &stderr)?;
+    // Two separate opens of one file would overwrite each other: join them.
+    let join = if stdout == stderr && job.join == Join::N {
+        Join::Oe
+    } else {
+        job.join
+    };
+    let umask = job.umask.unwrap_or(cfg.default_umask);
+    if umask > 0o777 {
+        return Err(Rejection::BadField {
+            field: "umask",
+            problem: format!("{umask:o} is not a umask (0..=0o777)"),
+        });
+    }
+    let walltime = job.walltime.unwrap_or(cfg.default_walltime_secs);
+    if walltime == 0 {
+        return Err(Rejection::BadField {
+            field: "walltime",
+            problem: "must be at least 1 second".into(),
+        });
+    }
+
+    let env = job_environment(job, &user.name, &user.home, &shell, &workdir, cfg)?;
+    Ok(LaunchPlan {
+        job_id: job.id.clone(),
+        owner: user.name.clone(),
+        uid: user.uid,
+        gid,
+        groups,
+        shell: cstring("shell", &shell)?,
+        script: job.script.clone().into_bytes(),
+        env,
+        cwd: cstring("workdir", &workdir)?,
+        stdout: cstring("stdout", &stdout)?,
+        stderr: cstring("stderr", &stderr)?,
+        join,
+        umask,
+        walltime: Duration::from_secs(walltime),
+    })
+}
+
+/// The job environment, built from nothing: the job's variables, then the
+/// PBS set and the owner's identity, which win over the job's.
+///
+/// # Errors
+/// [`Rejection::BadField`] for a name that is empty or contains `=` or NUL,
+/// or a value that contains NUL.
+pub fn job_environment(
+    job: &Job,
+    user: &str,
+    home: &str,
+    shell: &str,
+    workdir: &str,
+    cfg: &AgentConfig,
+) -> Result<Vec<(String, String)>, Rejection> {
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    for (k, v) in &job.env {
+        if k.is_empty() || k.contains(['=', '\0']) {
+            return Err(Rejection::BadField {
+                field: "env",
+                problem: format!("variable name {k:?} is empty or contains '=' or NUL"),
+            });
+        }
+        if v.contains('\0') {
+            return Err(Rejection::BadField {
+                field: "env",
+                problem: format!("value of {k:?} contains NUL"),
+            });
+        }
+        env.insert(k.clone(), v.clone());
+    }
+    let fixed = [
+        ("PBS_JOBID", job.id.as_str()),
+        ("PBS_JOBNAME", job.name.as_str()),
+        ("PBS_O_WORKDIR", workdir),
+        ("PBS_QUEUE", job.pool.as_str()),
+        ("PBS_O_QUEUE", job.pool.as_str()),
+        ("PBS_O_HOST", job.submit_host.as_str()),
+        ("PBS_ENVIRONMENT", "PBS_BATCH"),
+        ("HOME", home),
+        ("USER", user),
+        ("LOGNAME", user),
+        ("SHELL", shell),
+        ("PATH", cfg.job_path.as_str()),
+    ];
+    for (k, v) in fixed {
+        if v.contains('\0') {
+            return Err(Rejection::BadField {
+                field: "env",
+                problem: format!("value of {k} contains NUL"),
+            });
+        }
+        env.insert(k.into(), v.into());
+    }
+    Ok(env.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::FakeSys;
+
+    fn cfg() -> AgentConfig {
+        AgentConfig {
+            pool: "p".into(),
+            submitters: vq_common::config::SubmitterRules {
+                trusted: vec!["bridge".into()],
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn job(owner: &str) -> Job {
+        serde_json::from_value(serde_json::json!({
+            "id": "42-x", "name": "sim", "owner": owner, "pool": "p",
+            "script": "echo hi", "env": {"FOO": "bar", "PATH": "/evil"},
+        }))
+        .unwrap()
+    }
+
+    fn sys() -> FakeSys {
+        FakeSys::default()
+            .with_user("alice", 2001)
+            .with_user("low", 500)
+            .with_user("root", 0)
+            .with_group("physics", 3000, &["alice"])
+            .with_group("other", 3001, &[])
+    }
+
+    #[test]
+    fn a_valid_job_gets_the_owner_ids_and_a_clean_pbs_environment() {
+        let plan = plan_job(&job("alice"), Some("alice"), &cfg(), &sys()).unwrap();
+        assert_eq!((plan.uid, plan.gid), (2001, 2001));
+        assert_eq!(plan.groups, vec![2001, 3000]);
+        assert_eq!(plan.cwd.to_str().unwrap(), "/home/alice");
+        assert_eq!(plan.stdout.to_str().unwrap(), "/home/alice/sim.o42");
+        assert_eq!(plan.stderr.to_str().unwrap(), "/home/alice/sim.e42");
+        let env: BTreeMap<_, _> = plan.env.iter().cloned().collect();
+        assert_eq!(env["FOO"], "bar");
+        assert_eq!(
+            env["PATH"], "/usr/local/bin:/usr/bin:/bin",
+            "job may not set PATH"
+        );
+        assert_eq!(env["PBS_JOBID"], "42-x");
+        assert_eq!(env["PBS_O_WORKDIR"], "/home/alice");
+        assert_eq!(env["PBS_ENVIRONMENT"], "PBS_BATCH");
+        assert_eq!(env["USER"], "alice");
+        assert_eq!(env.len(), 13);
+    }
+
+    #[test]
+    fn root_low_uids_and_unknown_owners_are_refused() {
+        let s = sys();
+        let c = cfg();
+        let r = |o: &str| plan_job(&job(o), Some("bridge"), &c, &s).unwrap_err();
+        assert!(matches!(r("root"), Rejection::RootOwner { .. }));
+        assert!(matches!(r("low"), Rejection::UidBelowMin { uid: 500, .. }));
+        assert!(matches!(r("nobody-here"), Rejection::UnknownOwner { .. }));
+    }
+
+    #[test]
+    fn submitter_rules_are_enforced() {
+        let s = sys();
+        let c = cfg();
+        assert!(matches!(
+            plan_job(&job("alice"), None, &c, &s),
+            Err(Rejection::NoSubmitter)
+        ));
+        assert!(matches!(
+            plan_job(&job("alice"), Some("mallory"), &c, &s),
+            Err(Rejection::SubmitterNotAllowed { .. })
+        ));
+        assert!(plan_job(&job("alice"), Some("bridge"), &c, &s).is_ok());
+    }
+
+    #[test]
+    fn groups_must_exist_and_contain_the_owner() {
+        let s = sys();
+        let c = cfg();
+        let mut j = job("alice");
+        j.group = Some("physics".into());
+        assert_eq!(plan_job(&j, Some("alice"), &c, &s).unwrap().gid, 3000);
+        j.group = Some("other".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::NotInGroup { .. })
+        ));
+        j.group = Some("ghosts".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::UnknownGroup { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_environment_paths_and_names_are_refused() {
+        let s = sys();
+        let c = cfg();
+        let mut j = job("alice");
+        j.env.insert("A=B".into(), "x".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::BadField { field: "env", .. })
+        ));
+        let mut j = job("alice");
+        j.name = "../../etc/x".into();
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::BadField { field: "name", .. })
+        ));
+        let mut j = job("alice");
+        j.workdir = Some("/nonexistent".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::Workdir { .. })
+        ));
+        let mut j = job("alice");
+        j.shell = Some("/bin/zsh".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::Shell { .. })
+        ));
+        let mut j = job("alice");
+        j.pool = "q".into();
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::WrongPool { .. })
+        ));
+    }
+
+    #[test]
+    fn deny_and_allow_lists_apply() {
+        let s = sys();
+        let mut c = cfg();
+        c.deny_owners = vec!["alice".into()];
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::OwnerDenied { .. })
+        ));
+        let mut c = cfg();
+        c.allow_owners = vec!["bob".into()];
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::OwnerNotAllowed { .. })
+        ));
+    }
+}

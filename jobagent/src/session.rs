@@ -1,0 +1,385 @@
+//! The broker session: connect, declare, consume the pool queue and the
+//! control queue, and reconnect with backoff when the broker goes away.
+//! Running jobs are not tied to a session: they keep running and publish
+//! their results on the next one.
+//!
+//! Claims happen only in this loop, and so do the answers to ask-delete and
+//! drain, which makes "no job claimed → stop pulling" atomic with respect to
+//! taking a job.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, Consumer};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use vq_common::amqp::{
+    bounded, confirm_channel, connect, declare_exchanges, declare_pool_queue, AmqpError, Backoff,
+};
+use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
+use vq_common::topology::agent_event_key;
+
+use crate::consume::handle_delivery;
+use crate::error::{chain, AgentError, Rejection};
+use crate::state::Claim;
+use crate::Ctx;
+
+/// Bound on broker operations in this module.
+const OP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How often the session checks its connection and free slots.
+const TICK: Duration = Duration::from_secs(1);
+
+fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
+    move |source| AmqpError::Op {
+        what: what.into(),
+        source,
+    }
+}
+
+/// Keeps a broker session up until `stop`; publishes the current confirm
+/// channel on `channel_tx` (`None` while disconnected).
+pub(crate) async fn connection_loop(
+    ctx: Arc<Ctx>,
+    channel_tx: watch::Sender<Option<Channel>>,
+    stop: CancellationToken,
+) {
+    let mut backoff = match Backoff::try_new(Duration::from_millis(500), Duration::from_secs(30)) {
+        Ok(b) => b,
+        Err(e) => {
+            warn!(error = %e, "bad reconnect backoff");
+            return;
+        }
+    };
+    loop {
+        if stop.is_cancelled() {
+            break;
+        }
+        match session(&ctx, &channel_tx, &stop, &mut backoff).await {
+            Ok(()) => break,
+            Err(e) => {
+                warn!(pool = %ctx.cfg.pool, error = %chain(&e), "broker session ended; reconnecting")
+            }
+        }
+        channel_tx.send_replace(None);
+        let delay = backoff.next_delay();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.cancelled() => break,
+        }
+    }
+    channel_tx.send_replace(None);
+}
+
+async fn session(
+    ctx: &Arc<Ctx>,
+    channel_tx: &watch::Sender<Option<Channel>>,
+    stop: &CancellationToken,
+    backoff: &mut Backoff,
+) -> Result<(), AgentError> {
+    let name = format!("jobagent {}", ctx.agent);
+    let conn = tokio::select! {
+        c = connect(&ctx.cfg.broker, &name) => c?,
+        _ = stop.cancelled() => return Ok(()),
+    };
+    let result = run_session(ctx, &conn, channel_tx, stop, backoff).await;
+    channel_tx.send_replace(None);
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        conn.close(200, "jobagent stopping".into()),
+    )
+    .await;
+    result
+}
+
+async fn run_session(
+    ctx: &Arc<Ctx>,
+    conn: &Connection,
+    channel_tx: &watch::Sender<Option<Channel>>,
+    stop: &CancellationToken,
+    backoff: &mut Backoff,
+) -> Result<(), AgentError> {
+    let topo = &ctx.topo;
+    let pool = &ctx.cfg.pool;
+    let pub_ch = confirm_channel(conn).await?;
+    declare_exchanges(&pub_ch, topo).await?;
+    declare_pool_queue(&pub_ch, topo, pool).await?;
+
+    let ctl_ch = bounded("open control channel", OP_TIMEOUT, async {
+        conn.create_channel().await.map_err(op("channel.open"))
+    })
+    .await?;
+    let ctl_queue = topo.control_queue(&ctx.agent);
+    let mut control = bounded("declare control queue", OP_TIMEOUT, async {
+        ctl_ch
+            .queue_declare(
+                ctl_queue.as_str().into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op("declare control queue"))?;
+        ctl_ch
+            .queue_bind(
+                ctl_queue.as_str().into(),
+                topo.control_exchange().as_str().into(),
+                ctx.agent.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op("bind control queue"))?;
+        ctl_ch
+            .basic_consume(
+                ctl_queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    exclusive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op("consume control queue"))
+    })
+    .await?;
+
+    let jobs_ch = bounded("open jobs channel", OP_TIMEOUT, async {
+        conn.create_channel().await.map_err(op("channel.open"))
+    })
+    .await?;
+
+    channel_tx.send_replace(Some(pub_ch.clone()));
+    backoff.reset();
+    info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
+    ctx.shared.heartbeat_now.notify_one();
+
+    let mut consumer: Option<Consumer> = None;
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if consumer.is_none() && ctx.shared.wants_pull() {
+            let free = ctx.shared.free_slots();
+            if free > 0 {
+                consumer = Some(start_consumer(ctx, &jobs_ch, free).await?);
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            d = next_delivery(&mut consumer) => match d {
+                Some(Ok(delivery)) => dispatch(ctx, delivery).await,
+                Some(Err(e)) => return Err(op("consume pool queue")(e).into()),
+                None => return Err(AgentError::Lost { what: "pool queue consumer" }),
+            },
+            c = control.next() => match c {
+                Some(Ok(msg)) => on_control(ctx, &jobs_ch, &mut consumer, &msg.data).await?,
+                Some(Err(e)) => return Err(op("consume control queue")(e).into()),
+                None => return Err(AgentError::Lost { what: "control queue consumer" }),
+            },
+            _ = ctx.shared.pull_changed.notified() => {
+                if !ctx.shared.wants_pull() {
+                    if let Some(c) = consumer.take() {
+                        stop_consumer(ctx, &jobs_ch, c).await?;
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                if !conn.status().connected() {
+                    return Err(AgentError::Lost { what: "connection" });
+                }
+                for (ch, what) in [(&pub_ch, "publish channel"), (&ctl_ch, "control channel"), (&jobs_ch, "jobs channel")] {
+                    if !ch.status().connected() {
+                        return Err(AgentError::Lost { what });
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn next_delivery(consumer: &mut Option<Consumer>) -> Option<lapin::Result<Delivery>> {
+    match consumer {
+        Some(c) => c.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Starts consuming the pool queue with prefetch = `free` slots.
+async fn start_consumer(ctx: &Ctx, ch: &Channel, free: usize) -> Result<Consumer, AgentError> {
+    let prefetch = u16::try_from(free).unwrap_or(u16::MAX).max(1);
+    let queue = ctx.topo.pool_queue(&ctx.cfg.pool);
+    let consumer = bounded("start pool consumer", OP_TIMEOUT, async {
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(op("basic.qos"))?;
+        ch.basic_consume(
+            queue.as_str().into(),
+            format!("{}-{}", ctx.agent, uuid::Uuid::new_v4().simple()).into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op("consume pool queue"))
+    })
+    .await?;
+    info!(pool = %ctx.cfg.pool, queue = %queue, prefetch, "pulling jobs");
+    Ok(consumer)
+}
+
+/// Cancels the pool consumer, waits for `basic.cancel-ok`, and returns every
+/// delivery that arrived but was not claimed to the queue.
+async fn stop_consumer(ctx: &Ctx, ch: &Channel, mut consumer: Consumer) -> Result<(), AgentError> {
+    bounded("cancel pool consumer", OP_TIMEOUT, async {
+        ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await
+            .map_err(op("basic.cancel"))
+    })
+    .await?;
+    // After cancel-ok the stream yields what was buffered, then ends.
+    while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(2), consumer.next()).await
+    {
+        requeue(&d).await;
+    }
+    info!(pool = %ctx.cfg.pool, "stopped pulling jobs");
+    Ok(())
+}
+
+async fn requeue(d: &Delivery) {
+    let r = d
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await;
+    match r {
+        Ok(true) => debug!("returned an unclaimed delivery to the queue"),
+        Ok(false) => {
+            warn!("cannot requeue a delivery: its channel is gone (the broker requeues it)")
+        }
+        Err(e) => warn!(error = %chain(&e), "cannot requeue a delivery"),
+    }
+}
+
+/// Claims a delivery and starts its task, or requeues / acks / refuses it.
+async fn dispatch(ctx: &Arc<Ctx>, delivery: Delivery) {
+    let decoded = Job::decode(&delivery.data);
+    let key = match &decoded {
+        Ok(job) => job.id.clone(),
+        Err(_) => delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str().to_string())
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple())),
+    };
+    match ctx
+        .shared
+        .claim(&key, delivery.redelivered, &delivery.acker)
+    {
+        Claim::New(cancel) => {
+            tokio::spawn(handle_delivery(ctx.clone(), delivery, decoded, key, cancel));
+        }
+        Claim::Requeue => requeue(&delivery).await,
+        Claim::Attached => {
+            info!(job_id = %key, "redelivery of a running job: it will be acked when the job ends")
+        }
+        Claim::AlreadyDone => {
+            info!(job_id = %key, "redelivery of a job that already finished here: acking it");
+            crate::consume::ack(ctx, &delivery.acker, &key).await;
+        }
+        Claim::DuplicateId => {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let job = decoded.ok();
+                let rej = Rejection::DuplicateId {
+                    job_id: key.clone(),
+                };
+                crate::consume::refuse(&ctx, &delivery, job.as_ref(), &key, &rej).await;
+                crate::consume::ack(&ctx, &delivery.acker, &key).await;
+            });
+        }
+    }
+}
+
+async fn on_control(
+    ctx: &Arc<Ctx>,
+    jobs_ch: &Channel,
+    consumer: &mut Option<Consumer>,
+    body: &[u8],
+) -> Result<(), AgentError> {
+    let msg = match Control::decode(body) {
+        Ok(m) => m,
+        Err(e) => {
+            warn!(error = %chain(&e), "ignoring a malformed control message");
+            return Ok(());
+        }
+    };
+    let pool = &ctx.cfg.pool;
+    match msg {
+        Control::AskDelete { request_id } => {
+            let answer = match ctx.shared.try_stop_for_delete() {
+                Ok(()) => {
+                    if let Some(c) = consumer.take() {
+                        stop_consumer(ctx, jobs_ch, c).await?;
+                    }
+                    ctx.shared.mark_deleted();
+                    info!(pool = %pool, request_id = %request_id, "asked to go: idle, stopped pulling, may be deleted");
+                    (true, Vec::new())
+                }
+                Err(running) => {
+                    info!(pool = %pool, request_id = %request_id, running = ?running, "asked to go: busy, refusing");
+                    (false, running)
+                }
+            };
+            let answer = DeleteAnswer {
+                schema: SCHEMA_VERSION,
+                agent: ctx.agent.clone(),
+                pool: pool.clone(),
+                request_id,
+                may_delete: answer.0,
+                running: answer.1,
+                at: unix_now(),
+            };
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let key = agent_event_key(&ctx.cfg.pool, "answer");
+                ctx.publisher
+                    .publish_message_reliably(&ctx.topo.events_exchange(), &key, &answer)
+                    .await;
+            });
+        }
+        Control::Drain { request_id } => {
+            info!(pool = %pool, request_id = %request_id, "drain requested");
+            if ctx.shared.start_drain() {
+                if let Some(c) = consumer.take() {
+                    stop_consumer(ctx, jobs_ch, c).await?;
+                }
+                tokio::spawn(crate::heartbeat::report_drained(ctx.clone()));
+            }
+        }
+        Control::Cancel { job_id } => {
+            if ctx.shared.cancel(&job_id) {
+                info!(pool = %pool, job_id = %job_id, "cancel requested: stopping the job");
+            } else {
+                warn!(pool = %pool, job_id = %job_id, "cancel requested for a job not running here");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! The simulator's own admin API (not OpenStack): `/_sim/servers` and
+//! `/_sim/faults`, and the middleware that injects the failures.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::compute::NovaFault;
+use super::state::SimState;
+
+/// One injected failure: the next `count` requests whose method and path
+/// match are answered with `status` and a Nova-shaped error body (Keystone
+/// shaped under `/identity`), before authentication, the way a rate limiter
+/// or an overloaded API node in front of the service would.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FailRule {
+    /// HTTP method to match (`GET`, `POST`, ...), or `*` for any.
+    pub method: String,
+    /// Path prefix to match, e.g. `/compute/v2.1/servers`.
+    pub path_prefix: String,
+    /// Status to answer with (409, 413, 429, 500, 503, ...).
+    pub status: u16,
+    /// How many matching requests fail before the rule is used up.
+    #[serde(default = "one")]
+    pub count: u32,
+    /// Seconds put in `Retry-After` (and Nova's `retryAfter` for 413/429).
+    #[serde(default)]
+    pub retry_after: Option<u64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// The fault settings, as posted to and returned by `/_sim/faults`. Every
+/// field of a POST is optional; absent fields keep their current value.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Faults {
+    /// Probability (0..=1) that a new server ends in ERROR with a fault
+    /// instead of ACTIVE; drawn when the server is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_error_rate: Option<f64>,
+    /// Servers created while this is true never leave BUILD.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck_build: Option<bool>,
+    /// Failure rules; a POST appends its rules to the pending ones.
+    #[serde(default)]
+    pub fail_next: Vec<FailRule>,
+    /// When true in a POST, every token issued so far expires now (this flag
+    /// is an action; it is never stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expire_tokens_now: Option<bool>,
+}
+
+pub(crate) fn router(state: Arc<SimState>) -> Router {
+    Router::new()
+        .route("/_sim/servers", get(servers))
+        .route("/_sim/faults", get(get_faults).post(post_faults))
+        .with_state(state)
+}
+
+async fn servers(State(state): State<Arc<SimState>>) -> Response {
+    let inner = state.lock();
+    let list: Vec<_> = inner
+        .servers
+        .values()
+        .map(|s| {
+            json!({
+                "id": s.id,
+                "name": s.name,
+                "status": s.status(),
+                "task_state": s.task_state(),
+                "metadata": s.metadata,
+                "tags": s.tags,
+                "agent_pid": s.agent.as_ref().map(|a| a.pid),
+                "agent_running": s.agent.as_ref().is_some_and(|a| a.running),
+                "agent_exit": s.agent.as_ref().and_then(|a| a.exit.clone()),
+                "vm_dir": state.config.state_dir.join("vms").join(&s.id),
+            })
+        })
+        .collect();
+    axum::Json(json!({ "servers": list })).into_response()
+}
+
+async fn get_faults(State(state): State<Arc<SimState>>) -> Response {
+    axum::Json(state.lock().faults.clone()).into_response()
+}
+
+async fn post_faults(State(state): State<Arc<SimState>>, body: Bytes) -> Response {
+    let update: Faults = match serde_json::from_slice(&body) {
+        Ok(f) => f,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": format!("invalid faults: {e}")})),
+            )
+                .into_response()
+        }
+    };
+    if let Some(rate) = update.create_error_rate {
+        if !(0.0..=1.0).contains(&rate) {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": "create_error_rate must be within 0..=1"})),
+            )
+                .into_response();
+        }
+    }
+    let mut inner = state.lock();
+    if update.create_error_rate.is_some() {
+        inner.faults.create_error_rate = update.create_error_rate;
+    }
+    if update.stuck_build.is_some() {
+        inner.faults.stuck_build = update.stuck_build;
+    }
+    inner.faults.fail_next.extend(update.fail_next);
+    if update.expire_tokens_now == Some(true) {
+        let now = SystemTime::now();
+        let n = inner.tokens.len();
+        for token in inner.tokens.values_mut() {
+            token.expires_at = token.expires_at.min(now);
+        }
+        tracing::info!(tokens = n, "fault: all tokens expired");
+    }
+    tracing::info!(faults = ?inner.faults, "faults updated");
+    axum::Json(inner.faults.clone()).into_response()
+}
+
+/// Answer the request from the first matching [`FailRule`], if any.
+pub(crate) async fn inject_faults(
+    State(state): State<Arc<SimState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let method = req.method().as_str().to_string();
+    let path = req.uri().path().to_string();
+    let hit = {
+        let mut inner = state.lock();
+        let rules = &mut inner.faults.fail_next;
+        let found = rules.iter().position(|r| {
+            (r.method == "*" || r.method.eq_ignore_ascii_case(&method))
+                && path.starts_with(&r.path_prefix)
+        });
+        found.map(|i| {
+            let rule = rules[i].clone();
+            if rules[i].count <= 1 {
+                rules.remove(i);
+            } else {
+                rules[i].count -= 1;
+            }
+            rule
+        })
+    };
+    let Some(rule) = hit else {
+        return next.run(req).await;
+    };
+    let status = StatusCode::from_u16(rule.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    tracing::info!(%method, %path, status = rule.status, "fault: injected error response");
+    let message = match status.as_u16() {
+        409 => "Conflict (injected by cloudsim)".to_string(),
+        413 | 429 => "This request was rate-limited.".to_string(),
+        503 => "The server is currently unavailable. Please try again at a later time.".to_string(),
+        _ => "Unexpected API Error. Please report this at http://bugs.launchpad.net/nova/ and attach the Nova API log if possible.".to_string(),
+    };
+    if path.starts_with("/identity") {
+        let mut resp = super::identity::keystone_error(&state, status, &message);
+        if let Some(secs) = rule.retry_after {
+            resp.headers_mut()
+                .insert("Retry-After", axum::http::HeaderValue::from(secs));
+        }
+        return resp;
+    }
+    NovaFault::new(status, message)
+        .with_retry_after(rule.retry_after)
+        .into_response()
+}

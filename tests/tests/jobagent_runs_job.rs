@@ -1,0 +1,394 @@
+//! Root-only end-to-end tests of the jobagent against a real RabbitMQ and
+//! real Unix users: jobs run as their owners with a clean PBS environment,
+//! bad jobs are refused and dead-lettered, walltime and cancel stop jobs,
+//! and the ask-delete handshake answers yes only when idle.
+//!
+//! Run as root: `cargo test -p vq-tests --test jobagent_runs_job -- --include-ignored`.
+
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use vq_common::messages::{Control, Join};
+use vq_tests::harness::{
+    ensure_test_user, job, require_root, start_agent, unique_cluster, wait_agent_up, AgentProcess,
+    EventTap, TestBroker, TestUser,
+};
+
+const POOL: &str = "batch";
+const EVENT_WAIT: Duration = Duration::from_secs(30);
+
+/// Config shared by the tests: trust the `guest` broker user as a bridge.
+const TRUST_GUEST: &str = "[submitters]\ntrusted = [\"guest\"]\n";
+
+struct Setup {
+    broker: TestBroker,
+    tap: EventTap,
+    agent: AgentProcess,
+    alice: TestUser,
+}
+
+async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<Setup> {
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-a1");
+    let agent = start_agent(
+        &cluster,
+        POOL,
+        &agent_id,
+        &format!("{top_level}\n{TRUST_GUEST}"),
+        env,
+    )?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+    Ok(Setup {
+        broker,
+        tap,
+        agent,
+        alice,
+    })
+}
+
+fn read(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_runs_as_its_owner_with_a_clean_pbs_environment() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[("AGENT_SECRET_MARKER", "leak")]).await?;
+    let script = "id -u\n\
+                  echo \"JOBID=$PBS_JOBID\"\n\
+                  echo \"WORKDIR=$PBS_O_WORKDIR\"\n\
+                  echo \"ENVIRONMENT=$PBS_ENVIRONMENT\"\n\
+                  echo \"QUEUE=$PBS_QUEUE\"\n\
+                  echo \"MARKER=${AGENT_SECRET_MARKER:-absent}\"\n\
+                  echo \"FROMJOB=$FROM_JOB\"\n\
+                  echo \"PWD=$(pwd)\"\n\
+                  cat > /dev/null\n\
+                  echo still-here\n\
+                  echo to-stderr >&2\n\
+                  exit 3\n";
+    let mut j = job(POOL, &s.alice.name, "envcheck", script);
+    j.env.insert("FROM_JOB".into(), "yes".into());
+    s.broker.publish_job(&j, Some("guest")).await?;
+
+    let started = s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
+    assert_eq!(started["owner"], s.alice.name.as_str());
+    let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    assert_eq!(fin["outcome"]["code"], 3, "{fin}");
+    assert!(fin["usage"]["wall_secs"].as_f64().unwrap() >= 0.0);
+
+    let out_path = s.alice.home.join(format!("envcheck.o{}", j.seq()));
+    let err_path = s.alice.home.join(format!("envcheck.e{}", j.seq()));
+    let out = read(&out_path);
+    let meta = std::fs::metadata(&out_path)?;
+    assert_eq!(
+        meta.uid(),
+        s.alice.uid,
+        "stdout file must be created by the owner"
+    );
+    assert_eq!(meta.mode() & 0o777, 0o600 & !0o022);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], s.alice.uid.to_string(), "id -u output:\n{out}");
+    for want in [
+        format!("JOBID={}", j.id),
+        format!("WORKDIR={}", s.alice.home.display()),
+        "ENVIRONMENT=PBS_BATCH".to_string(),
+        format!("QUEUE={POOL}"),
+        "MARKER=absent".to_string(),
+        "FROMJOB=yes".to_string(),
+        format!("PWD={}", s.alice.home.display()),
+        "still-here".to_string(),
+    ] {
+        assert!(
+            lines.contains(&want.as_str()),
+            "{want:?} missing in:\n{out}"
+        );
+    }
+    assert_eq!(read(&err_path), "to-stderr\n");
+    assert_eq!(std::fs::metadata(&err_path)?.uid(), s.alice.uid);
+    let _ = std::fs::remove_file(out_path);
+    let _ = std::fs::remove_file(err_path);
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn join_oe_writes_both_streams_into_the_stdout_file() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let mut j = job(
+        POOL,
+        &s.alice.name,
+        "joined",
+        "echo out1\necho err1 >&2\necho out2\n",
+    );
+    j.join = Join::Oe;
+    s.broker.publish_job(&j, Some("guest")).await?;
+    let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+    let out_path = s.alice.home.join(format!("joined.o{}", j.seq()));
+    let err_path = s.alice.home.join(format!("joined.e{}", j.seq()));
+    assert_eq!(read(&out_path), "out1\nerr1\nout2\n");
+    assert!(!err_path.exists(), "-j oe must not create the stderr file");
+    let _ = std::fs::remove_file(out_path);
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let low = ensure_test_user("vqt-low", 500)?;
+    let mut s = setup("", &[]).await?;
+    let as_root = job(POOL, "root", "asroot", "id -u");
+    let unknown = job(POOL, "vqt-nosuchuser", "ghost", "true");
+    let low_uid = job(POOL, &low.name, "lowuid", "true");
+    let no_submitter = job(POOL, &s.alice.name, "anon", "true");
+    s.broker.publish_job(&as_root, Some("guest")).await?;
+    s.broker.publish_job(&unknown, Some("guest")).await?;
+    s.broker.publish_job(&low_uid, Some("guest")).await?;
+    s.broker.publish_job(&no_submitter, None).await?;
+    s.broker
+        .publish_raw_job(POOL, b"{this is not json", Some("guest"), "malformed-1")
+        .await?;
+
+    for (id, needle) in [
+        (as_root.id.as_str(), "uid 0"),
+        (unknown.id.as_str(), "does not exist"),
+        (low_uid.id.as_str(), "below min_uid"),
+        (no_submitter.id.as_str(), "user_id"),
+        ("malformed-1", "cannot be decoded"),
+    ] {
+        let ev = s.tap.job_event(id, "failed", EVENT_WAIT).await?;
+        let reason = ev["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains(needle),
+            "{id}: reason {reason:?} lacks {needle:?}"
+        );
+    }
+
+    // The agent still runs a good job afterwards.
+    let good = job(POOL, &s.alice.name, "good", "exit 0");
+    s.broker.publish_job(&good, Some("guest")).await?;
+    let fin = s.tap.job_event(&good.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+
+    let dead = s.broker.take_dead().await?;
+    assert_eq!(dead.len(), 5, "dead letters: {dead:#?}");
+    for d in &dead {
+        assert!(!d.headers["x-vq-reason"].is_empty());
+        assert_eq!(d.headers["x-vq-dead-by"], s.agent.agent_id);
+    }
+    let root_dead = dead
+        .iter()
+        .find(|d| d.message_id.as_deref() == Some(as_root.id.as_str()))
+        .expect("root job dead-lettered");
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&root_dead.body)?["owner"],
+        "root",
+        "the original body is dead-lettered"
+    );
+    assert_eq!(root_dead.headers["x-vq-submitter"], "guest");
+    assert!(
+        s.agent.guard.try_wait().is_none(),
+        "agent must keep running"
+    );
+    let _ = std::fs::remove_file(s.alice.home.join(format!("good.o{}", good.seq())));
+    let _ = std::fs::remove_file(s.alice.home.join(format!("good.e{}", good.seq())));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn walltime_kills_a_job_that_runs_too_long() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("kill_grace_secs = 1", &[]).await?;
+    let mut j = job(POOL, &s.alice.name, "sleeper", "sleep 100\n");
+    j.walltime = Some(2);
+    s.broker.publish_job(&j, Some("guest")).await?;
+    let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "walltime", "{fin}");
+    let wall = fin["usage"]["wall_secs"].as_f64().unwrap();
+    assert!((1.9..10.0).contains(&wall), "wall_secs {wall}");
+    // The whole process group is gone: no `sleep 100` of the owner is left.
+    let left = std::process::Command::new("pgrep")
+        .args(["-u", &s.alice.uid.to_string(), "-f", "sleep 100"])
+        .output()?;
+    assert!(
+        left.stdout.is_empty(),
+        "left over: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn an_idle_agent_agrees_to_be_deleted_and_stops_pulling() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let agent = s.agent.agent_id.clone();
+    s.broker
+        .publish_control(
+            &agent,
+            &Control::AskDelete {
+                request_id: "r1".into(),
+            },
+        )
+        .await?;
+    let answer = s
+        .tap
+        .wait_for(EVENT_WAIT, "delete answer", |k, v| {
+            k.ends_with(".answer") && v["request_id"] == "r1"
+        })
+        .await?;
+    assert_eq!(answer["may_delete"], true, "{answer}");
+    assert_eq!(answer["agent"], agent.as_str());
+    let hb = s
+        .tap
+        .wait_for(EVENT_WAIT, "deletable heartbeat", |k, v| {
+            k.ends_with(".heartbeat") && v["is_del"] == true
+        })
+        .await?;
+    assert_eq!(hb["is_pull"], false, "{hb}");
+    assert_eq!(hb["state"], "drained", "{hb}");
+
+    // It no longer takes jobs.
+    let j = job(POOL, &s.alice.name, "notaken", "true");
+    s.broker.publish_job(&j, Some("guest")).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let queued = s.broker.queue_len(&s.broker.topo.pool_queue(POOL)).await?;
+    assert_eq!(queued, 1, "the job must stay queued");
+    assert!(!s.tap.seen.iter().any(|(_, v)| v["job_id"] == j.id.as_str()));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_busy_agent_refuses_deletion_and_cancel_stops_its_job() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("kill_grace_secs = 1", &[]).await?;
+    let agent = s.agent.agent_id.clone();
+    let j = job(POOL, &s.alice.name, "busy", "sleep 60\n");
+    s.broker.publish_job(&j, Some("guest")).await?;
+    s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
+    s.broker
+        .publish_control(
+            &agent,
+            &Control::AskDelete {
+                request_id: "r2".into(),
+            },
+        )
+        .await?;
+    let answer = s
+        .tap
+        .wait_for(EVENT_WAIT, "delete answer", |k, v| {
+            k.ends_with(".answer") && v["request_id"] == "r2"
+        })
+        .await?;
+    assert_eq!(answer["may_delete"], false, "{answer}");
+    assert_eq!(answer["running"], serde_json::json!([j.id]), "{answer}");
+
+    s.broker
+        .publish_control(
+            &agent,
+            &Control::Cancel {
+                job_id: j.id.clone(),
+            },
+        )
+        .await?;
+    let ev = s.tap.job_event(&j.id, "cancelled", EVENT_WAIT).await?;
+    assert_eq!(ev["outcome"]["kind"], "cancelled", "{ev}");
+    let _ = std::fs::remove_file(s.alice.home.join(format!("busy.o{}", j.seq())));
+    let _ = std::fs::remove_file(s.alice.home.join(format!("busy.e{}", j.seq())));
+
+    // Still pulling after saying no: a new job runs.
+    let next = job(POOL, &s.alice.name, "after", "exit 0");
+    s.broker.publish_job(&next, Some("guest")).await?;
+    s.tap.job_event(&next.id, "finished", EVENT_WAIT).await?;
+    let _ = std::fs::remove_file(s.alice.home.join(format!("after.o{}", next.seq())));
+    let _ = std::fs::remove_file(s.alice.home.join(format!("after.e{}", next.seq())));
+
+    // SIGTERM drains an idle agent: it exits 0.
+    s.agent.guard.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = s.agent.guard.wait_timeout(Duration::from_secs(20));
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "agent exit: {status:?}"
+    );
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_running_job_survives_a_lost_broker_connection_and_runs_once() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let agent = s.agent.agent_id.clone();
+    let j = job(
+        POOL,
+        &s.alice.name,
+        "survivor",
+        "sleep 4\necho finished-ok\n",
+    );
+    s.broker.publish_job(&j, Some("guest")).await?;
+    s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
+    let closed = tokio::task::spawn_blocking(move || {
+        vq_tests::harness::close_broker_connections(&format!("jobagent {agent}"))
+    })
+    .await??;
+    assert_eq!(closed, 1, "the agent's connection must have been found");
+    let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+    let out_path = s.alice.home.join(format!("survivor.o{}", j.seq()));
+    assert_eq!(read(&out_path), "finished-ok\n");
+    // The broker requeued the delivery when the connection dropped; the
+    // agent must not run the job a second time, and must ack the redelivery.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let starts = s
+        .tap
+        .seen
+        .iter()
+        .filter(|(k, v)| k.ends_with(".started") && v["job_id"] == j.id.as_str())
+        .count();
+    assert_eq!(starts, 1, "job started {starts} times");
+    let queued = s.broker.queue_len(&s.broker.topo.pool_queue(POOL)).await?;
+    assert_eq!(
+        queued, 0,
+        "the redelivered job must be acked, not left queued"
+    );
+    let _ = std::fs::remove_file(out_path);
+    let _ = std::fs::remove_file(s.alice.home.join(format!("survivor.e{}", j.seq())));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
