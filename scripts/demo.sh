@@ -167,12 +167,15 @@ say "output files"
 VERIFIED=0
 for name in "${SCRIPTS[@]}"; do
   id=${JOB_OF[$name]}
-  out=$(ls "$JOBDIR"/*.o"${id%%[-.]*}" 2>/dev/null | head -n1 || true)
+  jobname=$(sed -n 's/^#PBS -N \([^ ]*\).*/\1/p' "$JOBDIR/$name" | head -n1)
+  outname=$(sed -n 's/^#PBS -o \([^ ]*\).*/\1/p' "$JOBDIR/$name" | head -n1)
+  out=$JOBDIR/${outname:-$jobname.o${id%%[-.]*}}
+  [ -f "$out" ] || out=
   if [ -z "$out" ]; then echo "no output file for $name (job $id)" >&2; continue; fi
   owner=$(stat -c %u "$out")
   echo "--- $out (owner uid $owner)"
   sed 's/^/   /' "$out"
-  if [ "$owner" = "$DEMO_UID" ] && grep -q "^VQ-DEMO-OK ${name%.pbs} uid=$DEMO_UID\$" "$out"; then
+  if [ "$owner" = "$DEMO_UID" ] && grep -q "^VQ-DEMO-OK $jobname uid=$DEMO_UID\$" "$out"; then
     VERIFIED=$((VERIFIED + 1))
   else
     echo "output of $name is not owned by $DEMO_USER or lacks its VQ-DEMO-OK line" >&2
