@@ -1,0 +1,256 @@
+//! vq end to end on one machine: PBS scripts submitted with `vq submit` by
+//! an unprivileged user, the pool scales up on vq-cloudsim, the jobs run as
+//! their owner through the production controller and jobagent binaries, the
+//! pool scales back to zero.
+//!
+//! Root only (the agent switches users): `cargo test -p vq-tests --test
+//! end_to_end -- --include-ignored`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use vq_tests::cloudsim::{Sim, SimConfig};
+use vq_tests::harness::{
+    broker_url, build_bin, ensure_test_user, require_root, unique_cluster, ChildGuard, TestBroker,
+};
+
+const POOL: &str = "e2e";
+
+/// Creates (or resets) broker account `user` with the submitter's rights on
+/// `cluster`: write jobs and demand, read events, private reply queues.
+fn ensure_broker_submitter(user: &str, password: &str, cluster: &str) -> anyhow::Result<()> {
+    let run = |args: &[&str]| -> anyhow::Result<()> {
+        let out = Command::new("rabbitmqctl")
+            .args(args)
+            .output()
+            .context("run rabbitmqctl")?;
+        ensure!(
+            out.status.success() || String::from_utf8_lossy(&out.stderr).contains("already exists"),
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    };
+    run(&["-q", "add_user", user, password])?;
+    run(&["-q", "change_password", user, password])?;
+    let c = cluster;
+    run(&[
+        "-q",
+        "set_permissions",
+        "-p",
+        "/",
+        user,
+        r"^amq\.gen-.*",
+        &format!(r"^({c}\.jobs|{c}\.demand|amq\.gen-.*)$"),
+        &format!(r"^({c}\.events|{c}\.events\.log|amq\.gen-.*)$"),
+    ])
+}
+
+fn sim_server_count(sim_url: &str) -> anyhow::Result<usize> {
+    let out = Command::new("curl")
+        .args(["-fsS", &format!("{sim_url}/_sim/servers")])
+        .output()
+        .context("run curl")?;
+    ensure!(out.status.success(), "GET /_sim/servers failed");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    Ok(v["servers"].as_array().map(Vec::len).unwrap_or(0))
+}
+
+fn write_script(dir: &Path, name: &str, body: &str) -> anyhow::Result<()> {
+    let path = dir.join(format!("{name}.pbs"));
+    std::fs::write(&path, body)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zero(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let cluster = unique_cluster();
+    let alice = ensure_test_user("vqt-e2e-alice", 2301)?;
+    let broker_user = alice.name.clone();
+    let broker_pass = "e2e-secret";
+    ensure_broker_submitter(&broker_user, broker_pass, &cluster)?;
+
+    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
+    let controller_bin = build_bin("vq-controller", "vq-controller")?;
+    let vq_bin = build_bin("vq-controller", "vq")?;
+
+    let tmp = tempfile::tempdir()?;
+    let agent_cfg = tmp.path().join("jobagent.toml");
+    std::fs::write(
+        &agent_cfg,
+        format!(
+            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\n[submitters]\nsame_name = true\n"
+        ),
+    )?;
+    // Declare the topology and tap events before anything is published.
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+
+    let mut sim_cfg = SimConfig::new(tmp.path().join("sim"), &agent_bin, &agent_cfg);
+    sim_cfg.boot_delay = Duration::from_millis(500);
+    let sim = Sim::start(sim_cfg).await?;
+    let sim_url = sim.base_url();
+
+    let controller_cfg = tmp.path().join("controller.toml");
+    std::fs::write(
+        &controller_cfg,
+        format!(
+            r#"cluster = "{cluster}"
+listen = "127.0.0.1:0"
+interval_secs = 0.5
+heartbeat_timeout_secs = 20.0
+[broker]
+url = "{url}"
+[openstack]
+cloud = "cloudsim"
+[pools.{POOL}]
+flavor = "m1.small"
+image = "vq-worker"
+agent_broker_url = "{url}"
+min = 0
+max = 2
+slots = 2
+boot_timeout_secs = 60
+idle_secs = 2
+cooldown_secs = 1
+"#,
+            url = broker_url()
+        ),
+    )?;
+    let mut cmd = Command::new(&controller_bin);
+    cmd.arg("--config")
+        .arg(&controller_cfg)
+        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
+        .env("OS_CLOUD", "cloudsim")
+        .env("RUST_LOG", "info");
+    let _controller = ChildGuard::spawn(cmd)?;
+
+    // Five jobs for two VMs of two slots: the pool must stop at max = 2.
+    let jobdir = alice.home.join(format!("e2e-{cluster}"));
+    std::fs::create_dir_all(&jobdir)?;
+    nix::unistd::chown(&jobdir, Some(alice.uid.into()), Some(alice.gid.into()))?;
+    let mut names = Vec::new();
+    for i in 0..5 {
+        let name = format!("e2e{i}");
+        write_script(
+            &jobdir,
+            &name,
+            &format!(
+                "#!/bin/bash\n#PBS -N {name}\n#PBS -q {POOL}\n#PBS -l walltime=00:01:00\n#PBS -j oe\n#PBS -v E2E_VAR=v{i}\n\
+                 sleep 1\necho \"uid=$(id -u) gid=$(id -g) job=$PBS_JOBID var=$E2E_VAR wd=$(pwd)\"\n"
+            ),
+        )?;
+        names.push(name);
+    }
+    let submit_url = format!("amqp://{broker_user}:{broker_pass}@127.0.0.1:5672/%2f");
+    let mut ids = BTreeMap::new();
+    for name in &names {
+        let out = Command::new("runuser")
+            .args(["-u", &alice.name, "--"])
+            .arg(&vq_bin)
+            .args(["--cluster", &cluster, "submit", &format!("{name}.pbs")])
+            .current_dir(&jobdir)
+            .env("VQ_BROKER_URL", &submit_url)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "vq submit {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let id = String::from_utf8(out.stdout)?.trim().to_string();
+        ensure!(!id.is_empty(), "vq submit printed no job id");
+        ids.insert(name.clone(), id);
+    }
+
+    // Every job finishes with exit code 0; watch the VM count meanwhile.
+    let mut peak = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (name, id) in &ids {
+        loop {
+            peak = peak.max(sim_server_count(&sim_url)?);
+            ensure!(peak <= 2, "the pool went above max = 2 VMs: {peak}");
+            let left = deadline.saturating_duration_since(Instant::now());
+            ensure!(!left.is_zero(), "job {name} did not finish in time");
+            match tap
+                .job_event(id, "finished", Duration::from_millis(500))
+                .await
+            {
+                Ok(ev) => {
+                    ensure!(
+                        ev["outcome"]["kind"] == "exited" && ev["outcome"]["code"] == 0,
+                        "job {name} ended badly: {ev}"
+                    );
+                    break;
+                }
+                Err(_) => continue,
+            }
+        }
+    }
+    ensure!(peak >= 1, "the pool never scaled up");
+
+    // Outputs: PBS default name, owned by alice, written as alice, with the
+    // job's own -v variable and PBS_JOBID.
+    for (name, id) in &ids {
+        let seq = id.split(['-', '.']).next().unwrap_or(id);
+        let out = jobdir.join(format!("{name}.o{seq}"));
+        let meta = std::fs::metadata(&out).with_context(|| format!("{}", out.display()))?;
+        ensure!(
+            meta.uid() == alice.uid,
+            "{} owned by uid {}",
+            out.display(),
+            meta.uid()
+        );
+        let text = std::fs::read_to_string(&out)?;
+        let i = &name[3..];
+        ensure!(
+            text.contains(&format!(
+                "uid={} gid={} job={id} var=v{i} wd={}",
+                alice.uid,
+                alice.gid,
+                jobdir.display()
+            )),
+            "unexpected output of {name}: {text}"
+        );
+    }
+
+    // Back to zero VMs, without a failed job and without running a job twice.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sim_server_count(&sim_url)? > 0 {
+        if Instant::now() > deadline {
+            bail!(
+                "{} VM(s) left after scale-down",
+                sim_server_count(&sim_url)?
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut started = BTreeMap::<String, usize>::new();
+    for (key, ev) in &tap.seen {
+        ensure!(!key.ends_with(".failed"), "a job failed: {ev}");
+        if key.ends_with(".started") {
+            *started
+                .entry(ev["job_id"].as_str().unwrap_or("").to_string())
+                .or_default() += 1;
+        }
+    }
+    let expected: BTreeSet<_> = ids.values().cloned().collect();
+    ensure!(
+        started.keys().cloned().collect::<BTreeSet<_>>() == expected
+            && started.values().all(|n| *n == 1),
+        "every job must start exactly once: {started:?}"
+    );
+
+    sim.shutdown().await;
+    broker.cleanup().await;
+    std::fs::remove_dir_all(&jobdir).ok();
+    Ok(())
+}
