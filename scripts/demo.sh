@@ -108,7 +108,11 @@ PIDS+=($!)
 for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$PORT/healthz" >/dev/null 2>&1 && break; sleep 0.2; done
 curl -fsS "http://127.0.0.1:$PORT/healthz" >/dev/null || fail "vq-controller did not start (see $WORK/controller.log)"
 
-VQ=( env "VQ_BROKER_URL=amqp://$DEMO_USER:$DEMO_PASS@$BROKER_HOST/%2f" "VQ_CLUSTER=$CLUSTER" \
+# vq runs as the demo user with a login-like clean environment (what a user
+# on a submit host has), plus one variable that env.pbs passes with -v.
+VQ=( env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/home/$DEMO_USER USER=$DEMO_USER LOGNAME=$DEMO_USER \
+     SHELL=/bin/bash LANG=C.UTF-8 DEMO_FROM_SUBMIT=hello-from-the-submit-host \
+     "VQ_BROKER_URL=amqp://$DEMO_USER:$DEMO_PASS@$BROKER_HOST/%2f" "VQ_CLUSTER=$CLUSTER" \
      "VQ_CONTROLLER_URL=http://127.0.0.1:$PORT" "$BIN/vq" )
 JOBDIR=/home/$DEMO_USER/vq-demo
 rm -rf "$JOBDIR"
