@@ -167,6 +167,33 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     /// Largest job script accepted, bytes.
     pub max_script_bytes: usize,
+    /// Groups whose members may never run jobs here (by name; checked
+    /// against the owner's full NSS group list and the job's group).
+    pub deny_groups: Vec<String>,
+    /// If non-empty, the owner must be a member of at least one of these
+    /// groups (by name).
+    pub allow_groups: Vec<String>,
+    /// Whether a job may run with group 0 (`root`) as its primary or a
+    /// supplementary group. When `false` (the default) an owner whose group
+    /// list contains gid 0 is refused.
+    pub allow_group_zero: bool,
+    /// Cap on the size of each of a job's stdout/stderr files, bytes; a job
+    /// whose output grows past it is stopped with outcome `output-limit`.
+    /// Checked every second, so a fast writer can overshoot by what it
+    /// writes in one second. 0 disables the cap.
+    pub max_output_bytes: u64,
+    /// Whether to put every job into its own cgroup v2 (under the agent's
+    /// own cgroup, e.g. a systemd unit with `Delegate=yes`) when the cgroup
+    /// v2 hierarchy is writable. Without it, jobs are tracked by process
+    /// group, session and the agent's child-subreaper role.
+    pub cgroups: bool,
+    /// `memory.max` of each job's cgroup, bytes; 0 means no limit. When set
+    /// and the memory controller cannot be used, jobs fail to start.
+    pub job_memory_max_bytes: u64,
+    /// CPU limit of each job's cgroup (`cpu.max`), in CPUs (e.g. 2.0);
+    /// 0 means no limit. When set and the cpu controller cannot be used,
+    /// jobs fail to start.
+    pub job_cpu_max: f64,
 }
 
 impl Default for AgentConfig {
@@ -188,6 +215,13 @@ impl Default for AgentConfig {
             job_path: "/usr/local/bin:/usr/bin:/bin".into(),
             state_dir: PathBuf::from("/var/lib/vq"),
             max_script_bytes: crate::messages::MAX_SCRIPT_BYTES,
+            deny_groups: Vec::new(),
+            allow_groups: Vec::new(),
+            allow_group_zero: false,
+            max_output_bytes: 10 * 1024 * 1024 * 1024,
+            cgroups: true,
+            job_memory_max_bytes: 0,
+            job_cpu_max: 0.0,
         }
     }
 }
@@ -261,6 +295,35 @@ impl AgentConfig {
         }
         if self.job_path.is_empty() {
             p.push("job_path: empty".into());
+        }
+        if !(self.job_cpu_max.is_finite() && self.job_cpu_max >= 0.0 && self.job_cpu_max <= 4096.0)
+        {
+            p.push(format!(
+                "job_cpu_max: {} is out of range 0..=4096 (0 = no limit)",
+                self.job_cpu_max
+            ));
+        }
+        if self.job_memory_max_bytes != 0 && self.job_memory_max_bytes < 4096 {
+            p.push(format!(
+                "job_memory_max_bytes: {} is below one page (0 = no limit)",
+                self.job_memory_max_bytes
+            ));
+        }
+        if (self.job_memory_max_bytes != 0 || self.job_cpu_max != 0.0) && !self.cgroups {
+            p.push("job_memory_max_bytes/job_cpu_max need cgroups = true".into());
+        }
+        for (key, list) in [
+            ("deny_groups", &self.deny_groups),
+            ("allow_groups", &self.allow_groups),
+            ("deny_owners", &self.deny_owners),
+            ("allow_owners", &self.allow_owners),
+        ] {
+            if let Some(bad) = list
+                .iter()
+                .find(|n| n.is_empty() || n.contains(['/', ':', '\0']))
+            {
+                p.push(format!("{key}: {bad:?} is not a user or group name"));
+            }
         }
         if p.is_empty() {
             Ok(())
@@ -487,14 +550,21 @@ impl ControllerConfig {
     }
 }
 
-/// Environment overrides: `VQ_<KEY>` for top-level keys and
-/// `VQ_<SECTION>__<KEY>` for nested ones (double underscore), e.g.
-/// `VQ_BROKER__URL`, `VQ_SLOTS`. Values are parsed as TOML values when they
-/// parse (numbers, booleans, arrays), else taken as strings.
-pub fn env_overrides(vars: impl IntoIterator<Item = (String, String)>) -> toml::Table {
+/// Environment overrides for a config whose variables start with `prefix`
+/// ([`Validate::ENV_PREFIX`]: `VQ_AGENT__` for the jobagent,
+/// `VQ_CONTROLLER__` for the controller). After the prefix, `__` separates
+/// nested keys: `VQ_AGENT__SLOTS=4`, `VQ_CONTROLLER__BROKER__URL=amqps://…`.
+/// The prefix names the component so that the `vq` CLI's own variables
+/// (`VQ_BROKER_URL`, `VQ_CLUSTER`, `VQ_CONTROLLER_URL`) and unrelated `VQ_*`
+/// variables never leak into a daemon's config. Values are parsed as TOML
+/// values when they parse (numbers, booleans, arrays), else taken as strings.
+pub fn env_overrides(
+    prefix: &str,
+    vars: impl IntoIterator<Item = (String, String)>,
+) -> toml::Table {
     let mut table = toml::Table::new();
     for (k, v) in vars {
-        let Some(rest) = k.strip_prefix("VQ_") else {
+        let Some(rest) = k.strip_prefix(prefix) else {
             continue;
         };
         let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
@@ -550,17 +620,21 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
 
 /// A config type that can be loaded with [`load`].
 pub trait Validate {
+    /// Prefix of this config's environment overrides (see [`env_overrides`]).
+    const ENV_PREFIX: &'static str;
     /// Lists every problem with the values.
     fn check(&self) -> Result<(), Vec<String>>;
 }
 
 impl Validate for AgentConfig {
+    const ENV_PREFIX: &'static str = "VQ_AGENT__";
     fn check(&self) -> Result<(), Vec<String>> {
         self.validate()
     }
 }
 
 impl Validate for ControllerConfig {
+    const ENV_PREFIX: &'static str = "VQ_CONTROLLER__";
     fn check(&self) -> Result<(), Vec<String>> {
         self.validate()
     }
@@ -627,7 +701,7 @@ pub fn load<T: DeserializeOwned + Validate>(path: &Path) -> Result<T, ConfigErro
     parse(
         &path.display().to_string(),
         &text,
-        env_overrides(std::env::vars()),
+        env_overrides(T::ENV_PREFIX, std::env::vars()),
     )
 }
 
@@ -686,12 +760,23 @@ mod tests {
 
     #[test]
     fn env_overrides_reach_nested_keys() {
-        let over = env_overrides([
-            ("VQ_BROKER__URL".to_string(), "amqp://x:y@h:1/v".to_string()),
-            ("VQ_SLOTS".to_string(), "4".to_string()),
-            ("VQ_POOL".to_string(), "cms".to_string()),
-            ("HOME".to_string(), "/root".to_string()),
-        ]);
+        let over = env_overrides(
+            AgentConfig::ENV_PREFIX,
+            [
+                (
+                    "VQ_AGENT__BROKER__URL".to_string(),
+                    "amqp://x:y@h:1/v".to_string(),
+                ),
+                ("VQ_AGENT__SLOTS".to_string(), "4".to_string()),
+                ("VQ_AGENT__POOL".to_string(), "cms".to_string()),
+                (
+                    "VQ_BROKER_URL".to_string(),
+                    "amqp://cli:only@h:1/v".to_string(),
+                ),
+                ("VQ_JOBAGENT_BIN".to_string(), "/x".to_string()),
+                ("HOME".to_string(), "/root".to_string()),
+            ],
+        );
         let cfg: AgentConfig = parse("t", "", over).unwrap();
         assert_eq!(cfg.broker.url, "amqp://x:y@h:1/v");
         assert_eq!(cfg.slots, 4);
