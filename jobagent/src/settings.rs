@@ -33,7 +33,10 @@ pub fn load_settings(
         path: config.to_path_buf(),
         source,
     })?;
-    let mut overrides = env_overrides(env);
+    let mut overrides = env_overrides(
+        <AgentConfig as vq_common::config::Validate>::ENV_PREFIX,
+        env,
+    );
     if let Some(path) = identity {
         let id = load_identity(path)?;
         overrides.insert("pool".into(), id.pool.into());
