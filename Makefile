@@ -1,10 +1,12 @@
 # vq: the two set-up commands of README.md, plus packaging helpers.
 #   make demo   - the demo on the embedded test cloud (root)
 #   make test   - every gate and test (root)
+#   make packages       - .deb/.rpm of jobagent and vq-controller, controller OCI image, in target/packages/ (root)
+#   make packages-check - inspect and install-test them (clean Debian root, OCI image against vq-cloudsim)
 SHELL := /bin/bash
 MUSL_AGENT := $(CURDIR)/target/x86_64-unknown-linux-musl/release-agent/jobagent
 
-.PHONY: demo test deps static-agent schemas
+.PHONY: demo test deps static-agent schemas packages packages-check
 
 deps:
 	@scripts/ensure-toolchain.sh
@@ -28,3 +30,11 @@ test:
 # Regenerates schemas/*.json from the message types.
 schemas:
 	VQ_BLESS=1 cargo test -p vq-common --test wire
+
+# Every release artefact, into target/packages/ (see README, "Packages and images").
+packages:
+	@scripts/require-root.sh packages
+	@scripts/package-build.sh
+
+packages-check: packages
+	@scripts/package-check.sh

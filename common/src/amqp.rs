@@ -309,6 +309,45 @@ pub async fn declare_bound_queue(
     .await
 }
 
+/// Declares a durable, unbound queue with `args` (lease and fence queues;
+/// reached through the default exchange). A queue that exists with other
+/// arguments fails with PRECONDITION_FAILED naming the argument and both
+/// values.
+///
+/// # Errors
+/// [`AmqpError::Declare`] naming the queue.
+pub async fn declare_queue(ch: &Channel, queue: &str, args: &QueueArgs) -> Result<(), AmqpError> {
+    bounded(&format!("declare queue {queue}"), DECLARE_TIMEOUT, async {
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            field_table(args),
+        )
+        .await
+        .map_err(|source| AmqpError::Declare {
+            name: queue.into(),
+            source,
+        })?;
+        Ok(())
+    })
+    .await
+}
+
+/// Declares `agent`'s lease queue `<c>.lease.<agent>`.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_lease_queue(
+    ch: &Channel,
+    topo: &Topology,
+    agent: &str,
+) -> Result<(), AmqpError> {
+    declare_queue(ch, &topo.lease_queue(agent), &topo.lease_queue_args()).await
+}
+
 /// Declares the exchanges every component publishes to: jobs, dead, events,
 /// demand, control.
 ///

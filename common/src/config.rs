@@ -442,6 +442,10 @@ pub struct ControllerConfig {
     /// Seconds without a heartbeat after which an agent counts as dead
     /// (judged on the controller's monotonic clock).
     pub heartbeat_timeout_secs: f64,
+    /// Losses after which a job is dead-lettered instead of returned to its
+    /// pool when its agent is fenced (a poison job that kills its agent or
+    /// VM again and again; counted in the job's `x-vq-losses` header).
+    pub loss_limit: u32,
     /// Pools by name.
     pub pools: BTreeMap<String, PoolConfig>,
 }
@@ -455,6 +459,7 @@ impl Default for ControllerConfig {
             listen: "127.0.0.1:9180".into(),
             interval_secs: 10.0,
             heartbeat_timeout_secs: 60.0,
+            loss_limit: crate::topology::DEFAULT_LOSS_LIMIT,
             pools: BTreeMap::new(),
         }
     }
@@ -489,6 +494,9 @@ impl ControllerConfig {
                 "heartbeat_timeout_secs: {} must be at least 1",
                 self.heartbeat_timeout_secs
             ));
+        }
+        if self.loss_limit == 0 {
+            p.push("loss_limit: must be at least 1".into());
         }
         if self.pools.is_empty() {
             p.push("pools: no pool configured (add a [pools.<name>] table)".into());

@@ -16,6 +16,8 @@
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
 //! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
 //! | `<c>.control.<agent>` | exclusive queue | the agent's control inbox |
+//! | `<c>.lease.<agent>` | durable quorum queue | copies of the jobs the agent runs (leases) |
+//! | `<c>.fence` | durable quorum queue | agents the controller is fencing (deleting, then emptying their leases) |
 
 use std::fmt;
 
@@ -25,6 +27,15 @@ pub const DEFAULT_CLUSTER: &str = "vq";
 /// Delivery limit of pool queues (quorum `x-delivery-limit`): a job
 /// redelivered more often is dead-lettered by the broker.
 pub const POOL_DELIVERY_LIMIT: i64 = 10;
+
+/// Header carried by a job message: how many times an agent running it was
+/// lost (killed, VM gone) and the job was returned to its pool. Not the
+/// broker's delivery count, which also counts plain disconnects.
+pub const LOSSES_HEADER: &str = "x-vq-losses";
+
+/// Default number of losses after which a job is dead-lettered instead of
+/// run again (a poison job that kills its agent or VM).
+pub const DEFAULT_LOSS_LIMIT: u32 = 3;
 
 /// Retention of the job-event stream, as a RabbitMQ `x-max-age` value.
 pub const EVENT_LOG_MAX_AGE: &str = "7D";
@@ -176,6 +187,32 @@ impl Topology {
     pub fn control_queue(&self, agent: &str) -> String {
         format!("{}.control.{agent}", self.cluster)
     }
+
+    /// The lease queue of `agent`: a copy of every job it has claimed and
+    /// not yet released (DESIGN.md, "Leases").
+    pub fn lease_queue(&self, agent: &str) -> String {
+        format!("{}.lease.{agent}", self.cluster)
+    }
+
+    /// Arguments of every lease queue: a durable quorum queue without a
+    /// delivery limit (scanning a lease queue requeues messages) and
+    /// without dead-lettering (only the agent and the controller empty it).
+    pub fn lease_queue_args(&self) -> QueueArgs {
+        vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
+
+    /// Queue of agents being fenced: the controller publishes an agent id
+    /// here (confirmed) before deleting its server, and removes it after it
+    /// has emptied and deleted the agent's lease queue, so a controller
+    /// restart in between loses no lease.
+    pub fn fence_queue(&self) -> String {
+        format!("{}.fence", self.cluster)
+    }
+
+    /// Arguments of the fence queue (a quorum queue).
+    pub fn fence_queue_args(&self) -> QueueArgs {
+        vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
 }
 
 /// Routing key of a job event: `job.<pool>.<word>`.
@@ -216,6 +253,8 @@ mod tests {
         assert_eq!(t.pool_queue("cms"), "farm1.jobs.cms");
         assert_eq!(t.control_queue("farm1-cms-1"), "farm1.control.farm1-cms-1");
         assert_eq!(job_event_key("cms", "started"), "job.cms.started");
+        assert_eq!(t.lease_queue("farm1-cms-1"), "farm1.lease.farm1-cms-1");
+        assert_eq!(t.fence_queue(), "farm1.fence");
     }
 
     #[test]

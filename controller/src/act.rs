@@ -31,11 +31,23 @@ pub trait Messenger: Send + Sync {
         agent: &str,
         msg: &Control,
     ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+
+    /// Records durably that `agent` is being fenced, before its server is
+    /// deleted, so that its leases are returned even if the controller
+    /// restarts right after the delete. The default records nothing (fakes
+    /// without leases).
+    fn mark_fence(&self, agent: &str) -> impl Future<Output = Result<(), AmqpError>> + Send {
+        let _ = agent;
+        async { Ok(()) }
+    }
 }
 
 impl Messenger for Broker {
     async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
         Broker::send_control(self, agent, msg).await
+    }
+    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        Broker::mark_fence(self, agent).await
     }
 }
 
@@ -164,6 +176,18 @@ pub async fn act<C: CloudApi, M: Messenger>(
                 reason,
             } => {
                 tracing::info!(pool = pool.name, server = %name, server_id = %server_id, cause = cause.label(), reason = %reason, "deleting server");
+                // Fence first: the leases of the agent are returned once the
+                // server is gone, whatever happens to this controller.
+                if let Err(source) = messenger.mark_fence(name).await {
+                    let e = ActError::Control {
+                        what: "fence mark",
+                        agent: name.clone(),
+                        source: Box::new(source),
+                    };
+                    tracing::warn!(pool = pool.name, server = %name, error = %e, "cannot record the fence; not deleting");
+                    report.errors.push(e);
+                    continue;
+                }
                 match cloud.delete_server(server_id).await {
                     Ok(()) => report.deleted.push((name.clone(), *cause)),
                     Err(source) => {

@@ -5,6 +5,15 @@
 //!
 //! Agent events are stamped with the controller's own monotonic receive
 //! time; the agents' clocks are never trusted for liveness.
+//!
+//! Fencing (DESIGN.md, "Leases"): before a server is deleted its agent id
+//! is put into the durable fence queue `<c>.fence` ([`Broker::mark_fence`]);
+//! once the server is gone from Nova, [`Broker::fence`] empties the agent's
+//! lease queue (rerunnable jobs back to their pool with the loss counter
+//! incremented, past the limit or non-rerunnable: `job.failed` and dead
+//! letter), deletes it and removes the fence entry. The fence queue keeps
+//! the controller stateless: a restart between delete and requeue loses
+//! nothing.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex as StdMutex};
@@ -12,17 +21,21 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, Consumer};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection, Consumer};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use vq_common::amqp::{self, bounded, AmqpError};
 use vq_common::config::BrokerConfig;
-use vq_common::messages::{Control, DeleteAnswer, Demand, Heartbeat, Message};
-use vq_common::topology::{Topology, ALL_AGENT_EVENTS};
+use vq_common::messages::{
+    unix_now, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message,
+    DEAD_BY_HEADER, REASON_HEADER, SCHEMA_VERSION,
+};
+use vq_common::topology::{job_event_key, Topology, ALL_AGENT_EVENTS, LOSSES_HEADER};
 
 use crate::observe::{AgentRecord, DemandMap};
 
@@ -120,6 +133,12 @@ impl Broker {
         let conn = amqp::connect(&self.cfg, "vq-controller").await?;
         let channel = amqp::confirm_channel(&conn).await?;
         amqp::declare_topology(&channel, &self.topo, self.pools.iter().map(String::as_str)).await?;
+        amqp::declare_queue(
+            &channel,
+            &self.topo.fence_queue(),
+            &self.topo.fence_queue_args(),
+        )
+        .await?;
         let events = self.start_events(&conn).await?;
         let demand = self.start_demand(&conn).await?;
         self.shared_lock().listening_since = Some(Instant::now());
@@ -284,6 +303,233 @@ impl Broker {
         .await
     }
 
+    async fn fresh_channel(&self) -> Result<Channel, AmqpError> {
+        let guard = self.session.lock().await;
+        match guard.as_ref() {
+            Some(s) if s.conn.status().connected() => amqp::confirm_channel(&s.conn).await,
+            _ => Err(AmqpError::Timeout {
+                what: "broker connection (not connected)".into(),
+                secs: 0,
+            }),
+        }
+    }
+
+    /// Records (durably, confirmed) that `agent` is being fenced: call it
+    /// before deleting its server.
+    ///
+    /// # Errors
+    /// [`AmqpError`].
+    pub async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        let channel = self.channel().await?;
+        amqp::publish_confirmed(
+            &channel,
+            "",
+            &self.topo.fence_queue(),
+            agent.as_bytes(),
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("text/plain".into()),
+            true,
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+        )
+        .await
+    }
+
+    /// Agent ids in the fence queue (deduplicated, sorted).
+    ///
+    /// # Errors
+    /// [`AmqpError`].
+    pub async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        let ch = self.fresh_channel().await?;
+        let queue = self.topo.fence_queue();
+        let r = bounded("read the fence queue", OP_TIMEOUT, async {
+            let mut out = Vec::new();
+            while let Some(m) = ch
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .map_err(op_err("basic.get fence"))?
+            {
+                out.push(String::from_utf8_lossy(&m.delivery.data).into_owned());
+                if out.len() > 10_000 {
+                    break;
+                }
+            }
+            Ok(out)
+        })
+        .await;
+        // Closing the channel returns every entry read to the queue.
+        let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "read".into())).await;
+        let mut out = r?;
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+
+    /// Empties `agent`'s lease queue (see the module doc), deletes it and
+    /// removes `agent` from the fence queue. Call it only when the agent's
+    /// server is gone (deleted), so no job runs twice. Idempotent.
+    ///
+    /// # Errors
+    /// [`AmqpError`]; what was done stays done, the rest is retried on the
+    /// next call.
+    pub async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        let ch = self.fresh_channel().await?;
+        let r = self.fence_on(&ch, agent, loss_limit).await;
+        let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "fenced".into())).await;
+        if r.is_ok() {
+            self.shared_lock().agents.remove(agent);
+        }
+        r
+    }
+
+    async fn fence_on(
+        &self,
+        ch: &Channel,
+        agent: &str,
+        loss_limit: u32,
+    ) -> Result<FenceReport, AmqpError> {
+        let lease = self.topo.lease_queue(agent);
+        // Declaring (not passively) never fails on a missing queue.
+        amqp::declare_lease_queue(ch, &self.topo, agent).await?;
+        let confirm = Duration::from_secs(self.cfg.confirm_timeout_secs);
+        let submitter = broker_user(&self.cfg.url);
+        let mut report = FenceReport::default();
+        loop {
+            let got = bounded("read a lease", OP_TIMEOUT, async {
+                ch.basic_get(lease.as_str().into(), BasicGetOptions { no_ack: false })
+                    .await
+                    .map_err(op_err("basic.get lease"))
+            })
+            .await?;
+            let Some(m) = got else { break };
+            let d = m.delivery;
+            let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
+            let decoded = Job::decode(&d.data);
+            let job_id = match &decoded {
+                Ok(j) => j.id.clone(),
+                Err(_) => d
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|m| m.to_string())
+                    .unwrap_or_default(),
+            };
+            match lease_fate(decoded.as_ref().ok(), agent, losses, loss_limit) {
+                LeaseFate::Requeue { pool } => {
+                    let mut props = with_header(d.properties.clone(), LOSSES_HEADER, losses);
+                    if let Some(u) = &submitter {
+                        props = props.with_user_id(u.as_str().into());
+                    }
+                    amqp::publish_confirmed(
+                        ch,
+                        &self.topo.jobs_exchange(),
+                        &pool,
+                        &d.data,
+                        props,
+                        true,
+                        confirm,
+                    )
+                    .await?;
+                    tracing::warn!(agent, job_id = %job_id, pool = %pool, losses, "fenced agent's job returned to its pool");
+                    report.requeued.push(job_id);
+                }
+                LeaseFate::Fail { reason } => {
+                    let pool = decoded
+                        .as_ref()
+                        .map(|j| j.pool.clone())
+                        .unwrap_or_default();
+                    let props = dead_props(&d.properties, &reason, losses);
+                    amqp::publish_confirmed(
+                        ch,
+                        &self.topo.dead_exchange(),
+                        &pool,
+                        &d.data,
+                        props,
+                        false,
+                        confirm,
+                    )
+                    .await?;
+                    if let Ok(job) = &decoded {
+                        let event = JobEvent {
+                            schema: SCHEMA_VERSION,
+                            job_id: job.id.clone(),
+                            job_name: job.name.clone(),
+                            owner: job.owner.clone(),
+                            pool: job.pool.clone(),
+                            agent: agent.to_string(),
+                            at: unix_now(),
+                            state: JobState::Failed {
+                                reason: reason.clone(),
+                            },
+                        };
+                        amqp::publish_message(
+                            ch,
+                            &self.topo.events_exchange(),
+                            &job_event_key(&job.pool, "failed"),
+                            &event,
+                            false,
+                            confirm,
+                        )
+                        .await?;
+                    }
+                    tracing::warn!(agent, job_id = %job_id, reason = %reason, "fenced agent's job failed and dead-lettered");
+                    report.failed.push(job_id);
+                }
+            }
+            bounded("ack a lease", OP_TIMEOUT, async {
+                d.acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .map_err(op_err("ack lease"))
+            })
+            .await?;
+        }
+        bounded("delete the lease queue", OP_TIMEOUT, async {
+            ch.queue_delete(lease.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .map_err(op_err("delete lease queue"))
+        })
+        .await?;
+        self.remove_fence_entries(ch, agent).await?;
+        tracing::info!(agent, requeued = report.requeued.len(), failed = report.failed.len(), "agent fenced: lease queue emptied and deleted");
+        Ok(report)
+    }
+
+    async fn remove_fence_entries(&self, ch: &Channel, agent: &str) -> Result<(), AmqpError> {
+        let queue = self.topo.fence_queue();
+        bounded("remove fence entries", OP_TIMEOUT, async {
+            let mut others = Vec::new();
+            while let Some(m) = ch
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .await
+                .map_err(op_err("basic.get fence"))?
+            {
+                if m.delivery.data == agent.as_bytes() {
+                    m.delivery
+                        .acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .map_err(op_err("ack fence entry"))?;
+                } else {
+                    others.push(m.delivery.acker);
+                }
+                if others.len() > 10_000 {
+                    break;
+                }
+            }
+            for a in others {
+                a.nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+                .map_err(op_err("requeue fence entry"))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Closes the connection (before the runtime is dropped).
     pub async fn close(&self) {
         let mut guard = self.session.lock().await;
@@ -297,6 +543,121 @@ impl Broker {
             }
         }
     }
+}
+
+/// What fencing one agent did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct FenceReport {
+    /// Job ids returned to their pool.
+    pub requeued: Vec<String>,
+    /// Job ids reported failed and dead-lettered.
+    pub failed: Vec<String>,
+}
+
+/// What happens to one job found in a fenced agent's lease queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseFate {
+    /// Back to the queue of `pool` (rerunnable, under the loss limit).
+    Requeue {
+        /// The job's pool.
+        pool: String,
+    },
+    /// `job.failed` with `reason`, and dead-lettered.
+    Fail {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Decides the fate of a leased job (`None`: undecodable) whose agent
+/// `agent` was lost, this being loss number `losses`. Pure.
+pub fn lease_fate(job: Option<&Job>, agent: &str, losses: u32, loss_limit: u32) -> LeaseFate {
+    match job {
+        None => LeaseFate::Fail {
+            reason: format!("lease of lost agent {agent} cannot be decoded as a job"),
+        },
+        Some(j) if !j.rerunnable => LeaseFate::Fail {
+            reason: format!(
+                "node lost: agent {agent} died or its VM was deleted while the job ran; the job is not rerunnable (-r n)"
+            ),
+        },
+        Some(_) if losses >= loss_limit => LeaseFate::Fail {
+            reason: format!(
+                "node lost {losses} times while running the job (last: agent {agent}; limit {loss_limit}): not run again"
+            ),
+        },
+        Some(j) => LeaseFate::Requeue {
+            pool: j.pool.clone(),
+        },
+    }
+}
+
+/// The user name in an AMQP URL, percent-decoded (`None` if it has none).
+pub fn broker_user(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let (auth, _) = rest.rsplit_once('@')?;
+    let user = auth.split(':').next()?;
+    let bytes = user.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            if let Some(b) = user
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8(out).ok().filter(|u| !u.is_empty())
+}
+
+fn header_u32(props: &BasicProperties, name: &str) -> u32 {
+    let Some(v) = props.headers().as_ref().and_then(|h| h.inner().get(name).cloned()) else {
+        return 0;
+    };
+    let n: i128 = match v {
+        AMQPValue::ShortShortInt(n) => i128::from(n),
+        AMQPValue::ShortShortUInt(n) => i128::from(n),
+        AMQPValue::ShortInt(n) => i128::from(n),
+        AMQPValue::ShortUInt(n) => i128::from(n),
+        AMQPValue::LongInt(n) => i128::from(n),
+        AMQPValue::LongUInt(n) => i128::from(n),
+        AMQPValue::LongLongInt(n) => i128::from(n),
+        _ => 0,
+    };
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
+}
+
+fn with_header(props: BasicProperties, name: &str, value: u32) -> BasicProperties {
+    let mut h = props.headers().clone().unwrap_or_default();
+    h.insert(name.into(), AMQPValue::LongLongInt(i64::from(value)));
+    props.with_headers(h)
+}
+
+fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
+    let mut h = orig.headers().clone().unwrap_or_default();
+    h.insert(REASON_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
+    h.insert(
+        DEAD_BY_HEADER.into(),
+        AMQPValue::LongString(LongString::from("vq-controller")),
+    );
+    h.insert(LOSSES_HEADER.into(), AMQPValue::LongLongInt(i64::from(losses)));
+    let mut p = BasicProperties::default()
+        .with_headers(h)
+        .with_delivery_mode(2);
+    if let Some(ct) = orig.content_type() {
+        p = p.with_content_type(ct.clone());
+    }
+    if let Some(id) = orig.message_id() {
+        p = p.with_message_id(id.clone());
+    }
+    p
 }
 
 /// Records one agent event (by routing key `agent.<pool>.<word>`).
@@ -388,6 +749,43 @@ async fn consume_demand(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn job(rerunnable: bool) -> Job {
+        let mut j: Job = serde_json::from_str(
+            r#"{"id":"7.x","name":"n","owner":"alice","pool":"cms","script":"true","submit_host":"h","submitted_at":0}"#,
+        )
+        .unwrap();
+        j.rerunnable = rerunnable;
+        j
+    }
+
+    #[test]
+    fn leases_of_lost_agents_are_requeued_until_the_loss_limit() {
+        assert_eq!(
+            lease_fate(Some(&job(true)), "a1", 1, 3),
+            LeaseFate::Requeue { pool: "cms".into() }
+        );
+        assert_eq!(
+            lease_fate(Some(&job(true)), "a1", 2, 3),
+            LeaseFate::Requeue { pool: "cms".into() }
+        );
+        match lease_fate(Some(&job(true)), "a1", 3, 3) {
+            LeaseFate::Fail { reason } => assert!(reason.contains("3 times"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        match lease_fate(Some(&job(false)), "a1", 1, 3) {
+            LeaseFate::Fail { reason } => assert!(reason.contains("node lost"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(lease_fate(None, "a1", 1, 3), LeaseFate::Fail { .. }));
+    }
+
+    #[test]
+    fn the_broker_user_is_taken_from_the_url() {
+        assert_eq!(broker_user("amqp://vq%2Dctl:pw@h:5672/%2f").as_deref(), Some("vq-ctl"));
+        assert_eq!(broker_user("amqp://guest:guest@127.0.0.1/%2f").as_deref(), Some("guest"));
+        assert_eq!(broker_user("amqp://h/%2f"), None);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn heartbeats_and_answers_are_recorded_by_agent() {

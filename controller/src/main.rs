@@ -16,7 +16,7 @@ const GRACE: Duration = Duration::from_secs(30);
 
 /// Reconciles RabbitMQ demand with OpenStack servers for vq pools.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "vq-controller", version = VERSION, about)]
 struct Args {
     /// Config file (TOML; `VQ_*` environment variables override keys).
     #[arg(long, default_value = "/etc/vq/controller.toml")]
@@ -27,10 +27,56 @@ struct Args {
     /// Run one reconcile cycle and exit.
     #[arg(long)]
     once: bool,
+    /// Packaging: write the man page `vq-controller.8` into DIR and exit.
+    #[arg(long, hide = true, value_name = "DIR")]
+    generate_man: Option<PathBuf>,
+    /// Packaging: print the completion script for SHELL and exit.
+    #[arg(long, hide = true, value_name = "SHELL")]
+    completions: Option<clap_complete::Shell>,
+}
+
+/// `--version`: the package version and the git commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("VQ_GIT_COMMIT"),
+    ")"
+);
+
+/// `--generate-man DIR` / `--completions SHELL`, rendered from this CLI so
+/// they never drift from it.
+fn packaging_output(args: &Args) -> Option<ExitCode> {
+    use clap::CommandFactory;
+    if let Some(shell) = args.completions {
+        clap_complete::generate(
+            shell,
+            &mut Args::command(),
+            "vq-controller",
+            &mut std::io::stdout(),
+        );
+        return Some(ExitCode::SUCCESS);
+    }
+    let dir = args.generate_man.as_ref()?;
+    let path = dir.join("vq-controller.8");
+    let mut page = Vec::new();
+    let written = clap_mangen::Man::new(Args::command())
+        .section("8")
+        .render(&mut page)
+        .and_then(|()| std::fs::write(&path, page));
+    Some(match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vq-controller: cannot write {}: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    })
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(code) = packaging_output(&args) {
+        return code;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

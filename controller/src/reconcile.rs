@@ -18,7 +18,7 @@ use vq_common::topology::Topology;
 
 use crate::act::{act, Messenger, PoolRef};
 use crate::backoff::{Backoff, PoolBackoff};
-use crate::broker::{Broker, EventSnapshot};
+use crate::broker::{Broker, EventSnapshot, FenceReport};
 use crate::error::{ObserveError, RunError};
 use crate::http::{AppState, Metrics};
 use crate::observe::{assemble, Clock};
@@ -39,6 +39,21 @@ pub trait BrokerApi: Messenger {
     fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
     /// Agent and demand state now.
     fn snapshot(&self, now: Instant) -> EventSnapshot;
+    /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
+    /// The default: none (fakes without leases).
+    fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
+        async { Ok(Vec::new()) }
+    }
+    /// Empties and deletes `agent`'s lease queue (see
+    /// [`crate::broker::Broker::fence`]). The default does nothing.
+    fn fence(
+        &self,
+        agent: &str,
+        loss_limit: u32,
+    ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send {
+        let _ = (agent, loss_limit);
+        async { Ok(FenceReport::default()) }
+    }
 }
 
 impl BrokerApi for Broker {
@@ -50,6 +65,12 @@ impl BrokerApi for Broker {
     }
     fn snapshot(&self, now: Instant) -> EventSnapshot {
         Broker::snapshot(self, now)
+    }
+    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        Broker::pending_fences(self).await
+    }
+    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        Broker::fence(self, agent, loss_limit).await
     }
 }
 
@@ -66,6 +87,8 @@ pub struct CycleSummary {
     pub created: u32,
     /// Servers deleted.
     pub deleted: u32,
+    /// Agents whose leases were returned (their server is gone).
+    pub fenced: Vec<String>,
 }
 
 /// The controller: configuration, clients and soft state.
@@ -323,7 +346,72 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 }
             }
         }
+        if !shutdown.is_cancelled() {
+            summary.fenced = self.fence_step(&servers, &events, clock.listening_secs, now).await;
+        }
         summary
+    }
+
+    /// Returns the leases of agents whose server is gone: agents marked
+    /// when their server was deleted, and agents of our pools that stopped
+    /// heartbeating and have no server at all (orphans, e.g. after a
+    /// controller restart or a server deleted by hand). Orphans are judged
+    /// only after the controller has listened for a whole heartbeat
+    /// timeout, on its own receive times.
+    async fn fence_step(
+        &mut self,
+        servers: &[crate::openstack::Server],
+        events: &EventSnapshot,
+        listening_secs: f64,
+        now: Instant,
+    ) -> Vec<String> {
+        let in_nova: std::collections::BTreeSet<&str> =
+            servers.iter().map(|s| s.name.as_str()).collect();
+        let timeout = self.cfg.heartbeat_timeout_secs;
+        if listening_secs >= timeout {
+            for (agent, rec) in &events.agents {
+                let Some((hb, at)) = &rec.heartbeat else {
+                    continue;
+                };
+                let age = now.saturating_duration_since(*at).as_secs_f64();
+                if self.cfg.pools.contains_key(&hb.pool)
+                    && !in_nova.contains(agent.as_str())
+                    && age > timeout
+                {
+                    tracing::warn!(pool = %hb.pool, agent = %agent, heartbeat_age_secs = age, timeout_secs = timeout,
+                        "agent without a server stopped heartbeating: fencing it");
+                    if let Err(e) = self.broker.mark_fence(agent).await {
+                        tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
+                    }
+                }
+            }
+        }
+        let pending = match self.broker.pending_fences().await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the fence queue; leases are returned next cycle");
+                return Vec::new();
+            }
+        };
+        let mut fenced = Vec::new();
+        for agent in pending {
+            if in_nova.contains(agent.as_str()) {
+                tracing::debug!(agent = %agent, "fence pending: server not gone yet");
+                continue;
+            }
+            match self.broker.fence(&agent, self.cfg.loss_limit).await {
+                Ok(r) => {
+                    if !r.requeued.is_empty() || !r.failed.is_empty() {
+                        tracing::warn!(agent = %agent, requeued = ?r.requeued, failed = ?r.failed, "returned the leases of a lost agent");
+                    }
+                    fenced.push(agent);
+                }
+                Err(e) => {
+                    tracing::warn!(agent = %agent, error = %e, "cannot return the leases of a lost agent; retrying next cycle")
+                }
+            }
+        }
+        fenced
     }
 
     fn publish_status(

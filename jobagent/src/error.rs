@@ -56,7 +56,27 @@ pub enum Rejection {
         name: String,
         /// Cause.
         #[source]
-        source: nix::Error,
+        source: NssError,
+    },
+    /// The owner's group list contains gid 0 and `allow_group_zero` is off.
+    #[error("owner {owner:?} is a member of group 0 (root); set allow_group_zero to allow it")]
+    GroupZero {
+        /// Owner.
+        owner: String,
+    },
+    /// The owner is a member of a group in `deny_groups`.
+    #[error("owner {owner:?} is a member of group {group:?}, which is in deny_groups")]
+    GroupDenied {
+        /// Owner.
+        owner: String,
+        /// The denied group.
+        group: String,
+    },
+    /// `allow_groups` is set and the owner is in none of them.
+    #[error("owner {owner:?} is a member of none of allow_groups")]
+    GroupNotAllowed {
+        /// Owner.
+        owner: String,
     },
     /// The owner does not exist on this host.
     #[error("owner {owner:?} does not exist on this host")]
@@ -131,6 +151,58 @@ pub enum Rejection {
     },
 }
 
+/// A user or group lookup through the system's NSS failed (not "no such
+/// entry", which is `Ok(None)`).
+#[derive(Debug, thiserror::Error)]
+pub enum NssError {
+    /// `getent` could not be started or waited for.
+    #[error("cannot run {getent}")]
+    Exec {
+        /// Path of getent.
+        getent: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `getent` did not answer in time (it was killed).
+    #[error("{getent} {database} did not answer within {secs} s")]
+    Timeout {
+        /// Path of getent.
+        getent: String,
+        /// Database asked (`passwd`, `group`, `initgroups`).
+        database: &'static str,
+        /// Timeout, seconds.
+        secs: u64,
+    },
+    /// `getent` failed with an exit status other than "not found".
+    #[error("{getent} {database} exited with status {status}")]
+    Status {
+        /// Path of getent.
+        getent: String,
+        /// Database asked.
+        database: &'static str,
+        /// Exit status (or -signal).
+        status: i32,
+    },
+    /// `getent` printed an entry that cannot be parsed.
+    #[error("{database} entry {line:?} cannot be parsed")]
+    Parse {
+        /// Database asked.
+        database: &'static str,
+        /// The offending line (lossy UTF-8).
+        line: String,
+    },
+    /// The libc lookup (fallback without getent) failed.
+    #[error("libc lookup failed")]
+    Libc(#[source] nix::Error),
+    /// A name contains a NUL byte or starts with '-'.
+    #[error("{name:?} is not a valid user or group name")]
+    BadName {
+        /// The name.
+        name: String,
+    },
+}
+
 /// A job could not be started; becomes `Outcome::FailedToStart`.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -150,6 +222,16 @@ pub enum LaunchError {
         /// Which step, e.g. `open stdout file /home/u/x.o1 as the owner`.
         step: String,
         /// The errno of the failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A cgroup v2 operation for the job failed, or a configured limit
+    /// cannot be applied (jobs never run without their configured limits).
+    #[error("cannot set up the job's cgroup: {what}")]
+    Cgroup {
+        /// What failed, with the path.
+        what: String,
+        /// Cause.
         #[source]
         source: std::io::Error,
     },

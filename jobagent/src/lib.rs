@@ -9,8 +9,8 @@
 //! [`plan::LaunchPlan`]), [`sys`] (user database seam), `spawn` (the only
 //! `unsafe`: privilege drop and exec), [`supervise`] (walltime, cancel,
 //! rusage), [`report`] (publishing), [`state`] (claims, pull/delete flags),
-//! `session` (broker session and control), `consume` (one job to its ack),
-//! `heartbeat`.
+//! `session` (broker session and control), `consume` (the lease protocol:
+//! claim, run, release, recover), `heartbeat`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +24,7 @@ use vq_common::topology::Topology;
 mod consume;
 pub mod error;
 mod heartbeat;
+pub mod identity;
 pub mod plan;
 pub mod report;
 mod session;
@@ -66,29 +67,48 @@ pub(crate) struct Ctx {
     pub(crate) host: String,
     pub(crate) shared: state::Shared,
     pub(crate) publisher: report::Publisher,
+    pub(crate) leases: consume::Leases,
+    pub(crate) outbox: report::Outbox,
     pub(crate) sys: sys::HostSys,
 }
 
+/// How long, after the drain grace, the agent waits for interrupted jobs to
+/// stop and for pending results to be confirmed before it exits anyway
+/// (results stay in the outbox and leases in the lease queue).
+const AFTER_GRACE: Duration = Duration::from_secs(30);
+
 /// Runs the agent until `shutdown`. On the first signal it stops pulling,
-/// waits up to `drain_grace` for running jobs, then cancels the rest
-/// (outcome `cancelled`) and waits for their reports; on the second it kills
+/// waits up to `drain_grace` for running jobs, then stops the rest:
+/// rerunnable ones keep their lease and run again (after an agent restart
+/// here, or on another VM when the controller fences this one),
+/// non-rerunnable ones are reported failed. On the second signal it kills
 /// every job's process group and returns at once. The broker connection is
 /// closed before returning.
 ///
 /// # Errors
-/// [`AgentError::StateDir`] if the state directory cannot be created.
+/// [`AgentError::StateDir`] if the state directory or its outbox cannot be
+/// created.
 pub async fn run(
     cfg: AgentConfig,
     shutdown: Shutdown,
     drain_grace: Duration,
 ) -> Result<Ended, AgentError> {
     create_state_dir(&cfg.state_dir)?;
+    supervise::prepare_host(&cfg);
     let (channel_tx, channel_rx) = watch::channel(None);
+    let (lease_tx, lease_rx) = watch::channel(None);
+    let outbox = report::Outbox::open(&cfg.state_dir).map_err(|source| AgentError::StateDir {
+        path: cfg.state_dir.join("outbox"),
+        source,
+    })?;
+    let topo = Topology::new(cfg.cluster.clone());
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
     let ctx = Arc::new(Ctx {
-        topo: Topology::new(cfg.cluster.clone()),
+        leases: consume::Leases::new(topo.lease_queue(&cfg.agent_id), lease_rx),
+        outbox,
+        topo,
         agent: cfg.agent_id.clone(),
         host,
         shared: state::Shared::new(cfg.slots),
@@ -106,6 +126,7 @@ pub async fn run(
     let conn_task = tokio::spawn(session::connection_loop(
         ctx.clone(),
         channel_tx,
+        lease_tx,
         stop.clone(),
     ));
     let hb_task = tokio::spawn(heartbeat::heartbeat_loop(ctx.clone(), stop.clone()));
@@ -121,10 +142,13 @@ pub async fn run(
         tokio::select! {
             _ = ctx.shared.wait_idle() => {}
             _ = tokio::time::sleep(drain_grace) => {
-                warn!(pool = %ctx.cfg.pool, "drain grace period over: cancelling running jobs");
-                ctx.shared.cancel_all();
+                warn!(pool = %ctx.cfg.pool, "drain grace period over: stopping running jobs (rerunnable ones keep their lease and run again)");
+                ctx.shared.interrupt_all();
                 tokio::select! {
                     _ = ctx.shared.wait_idle() => {}
+                    _ = tokio::time::sleep(AFTER_GRACE) => {
+                        warn!(pool = %ctx.cfg.pool, "results not confirmed in time; they stay in the outbox for the next start");
+                    }
                     _ = shutdown.force.cancelled() => {}
                 }
             }

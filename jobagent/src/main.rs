@@ -15,7 +15,7 @@ use vq_jobagent::{run, Ended, Shutdown, EXIT_NOPERM};
 /// vq jobagent: pulls batch jobs of its pool from RabbitMQ and runs them as
 /// their owners.
 #[derive(Debug, Parser)]
-#[command(name = "jobagent", version)]
+#[command(name = "jobagent", version = VERSION)]
 struct Args {
     /// Config file (TOML; `VQ_*` environment variables override keys).
     #[arg(long, default_value = DEFAULT_CONFIG)]
@@ -33,6 +33,35 @@ struct Args {
     /// Seconds running jobs may take to finish after the first SIGTERM.
     #[arg(long, default_value_t = 60)]
     drain_grace_secs: u64,
+    /// Packaging: write the man page `jobagent.8` into DIR and exit.
+    #[arg(long, hide = true, value_name = "DIR")]
+    generate_man: Option<PathBuf>,
+}
+
+/// `--version`: the package version and the git commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("VQ_GIT_COMMIT"),
+    ")"
+);
+
+/// Writes `jobagent.8` (from this CLI, so it never drifts) into `dir`.
+fn generate_man(dir: &std::path::Path) -> ExitCode {
+    use clap::CommandFactory;
+    let path = dir.join("jobagent.8");
+    let mut page = Vec::new();
+    let written = clap_mangen::Man::new(Args::command())
+        .section("8")
+        .render(&mut page)
+        .and_then(|()| std::fs::write(&path, page));
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("jobagent: cannot write {}: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -45,6 +74,9 @@ fn main() -> ExitCode {
         )
         .init();
     let args = Args::parse();
+    if let Some(dir) = &args.generate_man {
+        return generate_man(dir);
+    }
     let hostname = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();

@@ -47,7 +47,24 @@ pub struct LaunchPlan {
     pub umask: u32,
     /// Walltime limit.
     pub walltime: Duration,
+    /// Time between SIGTERM and SIGKILL when the job is stopped, and the
+    /// longest time leftover processes get after the main process exited.
+    pub kill_grace: Duration,
+    /// Cap on each output file, bytes (0 = none): `output-limit` past it.
+    pub max_output_bytes: u64,
+    /// Whether to use a cgroup v2 for the job when available.
+    pub cgroups: bool,
+    /// `memory.max` of the job's cgroup, bytes (0 = none).
+    pub memory_max_bytes: u64,
+    /// `cpu.max` quota per 100 ms period, microseconds (0 = none).
+    pub cpu_quota_us: u64,
+    /// The agent's state directory (records of running jobs live in
+    /// `<state_dir>/running`).
+    pub state_dir: PathBuf,
 }
+
+/// The `cpu.max` period used for [`LaunchPlan::cpu_quota_us`], microseconds.
+pub const CPU_PERIOD_US: u64 = 100_000;
 
 fn cstring(field: &'static str, s: &str) -> Result<CString, Rejection> {
     CString::new(s).map_err(|_| Rejection::BadField {
@@ -177,6 +194,8 @@ pub fn plan_job(
         }
     };
 
+    check_groups(&user.name, gid, &groups, cfg, sys)?;
+
     let workdir = job.workdir.clone().unwrap_or_else(|| user.home.clone());
     if !workdir.starts_with('/') {
         return Err(Rejection::Workdir {
@@ -254,11 +273,77 @@ pub fn plan_job(
         join,
         umask,
         walltime: Duration::from_secs(walltime),
+        kill_grace: Duration::from_secs(cfg.kill_grace_secs),
+        max_output_bytes: cfg.max_output_bytes,
+        cgroups: cfg.cgroups,
+        memory_max_bytes: cfg.job_memory_max_bytes,
+        cpu_quota_us: (cfg.job_cpu_max * CPU_PERIOD_US as f64).round() as u64,
+        state_dir: cfg.state_dir.clone(),
     })
 }
 
+/// Group policy: gid 0 only with `allow_group_zero`; none of the owner's
+/// groups (primary, job group, supplementary) in `deny_groups`; at least one
+/// in `allow_groups` when that is set. Config group names that do not exist
+/// on the host match nothing.
+fn check_groups(
+    owner: &str,
+    gid: u32,
+    groups: &[u32],
+    cfg: &AgentConfig,
+    sys: &dyn Sys,
+) -> Result<(), Rejection> {
+    let member = |g: u32| g == gid || groups.contains(&g);
+    if !cfg.allow_group_zero && member(0) {
+        return Err(Rejection::GroupZero {
+            owner: owner.into(),
+        });
+    }
+    let resolve = |name: &String| -> Result<Option<u32>, Rejection> {
+        Ok(sys
+            .group_by_name(name)
+            .map_err(|source| Rejection::Lookup {
+                what: "group",
+                name: name.clone(),
+                source,
+            })?
+            .map(|g| g.gid))
+    };
+    for name in &cfg.deny_groups {
+        if resolve(name)?.is_some_and(member) {
+            return Err(Rejection::GroupDenied {
+                owner: owner.into(),
+                group: name.clone(),
+            });
+        }
+    }
+    if !cfg.allow_groups.is_empty() {
+        let mut allowed = false;
+        for name in &cfg.allow_groups {
+            if resolve(name)?.is_some_and(member) {
+                allowed = true;
+                break;
+            }
+        }
+        if !allowed {
+            return Err(Rejection::GroupNotAllowed {
+                owner: owner.into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The job environment, built from nothing: the job's variables, then the
-/// PBS set and the owner's identity, which win over the job's.
+/// PBS set and the owner's identity, which win over the job's. Nothing of
+/// the agent's own environment (credentials, `LD_*`, config paths) is
+/// passed.
+///
+/// Non-UTF-8 bytes cannot arrive: the job message is JSON and its `env` is
+/// a map of strings, so a non-UTF-8 value is a decode error (the job is
+/// refused as malformed, never a panic). Variables such as `LD_PRELOAD` or
+/// `BASH_ENV` in the job's own `-v` list are passed, as PBS does: they
+/// affect only processes that already run as the owner.
 ///
 /// # Errors
 /// [`Rejection::BadField`] for a name that is empty or contains `=` or NUL,
@@ -445,6 +530,105 @@ mod tests {
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::WrongPool { .. })
         ));
+    }
+
+    #[test]
+    fn group_zero_is_refused_unless_configured() {
+        let mut s = sys().with_group("root", 0, &["alice"]);
+        let c = cfg();
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::GroupZero { .. })
+        ));
+        let mut allow = cfg();
+        allow.allow_group_zero = true;
+        assert!(plan_job(&job("alice"), Some("alice"), &allow, &s)
+            .unwrap()
+            .groups
+            .contains(&0));
+        // A primary group 0 is refused too, and so is `-W group=root`.
+        s.groups.remove("root");
+        s.users.get_mut("alice").unwrap().gid = 0;
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::GroupZero { .. })
+        ));
+        let s = sys().with_group("root", 0, &[]);
+        let mut j = job("alice");
+        j.group = Some("root".into());
+        assert!(matches!(
+            plan_job(&j, Some("alice"), &c, &s),
+            Err(Rejection::NotInGroup { .. }) | Err(Rejection::GroupZero { .. })
+        ));
+    }
+
+    #[test]
+    fn the_full_group_list_is_used_and_group_lists_apply() {
+        let s = sys();
+        let plan = plan_job(&job("alice"), Some("alice"), &cfg(), &s).unwrap();
+        assert_eq!(
+            plan.groups,
+            vec![2001, 3000],
+            "primary first, then NSS list"
+        );
+        let mut c = cfg();
+        c.deny_groups = vec!["physics".into()];
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::GroupDenied { .. })
+        ));
+        let mut c = cfg();
+        c.allow_groups = vec!["other".into(), "no-such-group".into()];
+        assert!(matches!(
+            plan_job(&job("alice"), Some("alice"), &c, &s),
+            Err(Rejection::GroupNotAllowed { .. })
+        ));
+        c.allow_groups.push("physics".into());
+        assert!(plan_job(&job("alice"), Some("alice"), &c, &s).is_ok());
+    }
+
+    #[test]
+    fn hostile_environment_names_are_refused_and_ld_vars_pass() {
+        let s = sys();
+        let c = cfg();
+        for bad in ["", "A=B", "=", "A\0B"] {
+            let mut j = job("alice");
+            j.env.insert(bad.into(), "x".into());
+            assert!(
+                matches!(
+                    plan_job(&j, Some("alice"), &c, &s),
+                    Err(Rejection::BadField { field: "env", .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        let mut j = job("alice");
+        j.env.insert("V".into(), "a\0b".into());
+        assert!(plan_job(&j, Some("alice"), &c, &s).is_err());
+        let mut j = job("alice");
+        j.env.insert("LD_PRELOAD".into(), "/home/alice/x.so".into());
+        j.env.insert("HOME".into(), "/root".into());
+        j.env.insert("USER".into(), "root".into());
+        let env: BTreeMap<_, _> = plan_job(&j, Some("alice"), &c, &s)
+            .unwrap()
+            .env
+            .into_iter()
+            .collect();
+        assert_eq!(env["LD_PRELOAD"], "/home/alice/x.so");
+        assert_eq!(env["HOME"], "/home/alice", "identity variables win");
+        assert_eq!(env["USER"], "alice");
+    }
+
+    #[test]
+    fn limits_come_from_the_config() {
+        let mut c = cfg();
+        c.job_cpu_max = 1.5;
+        c.job_memory_max_bytes = 1 << 30;
+        c.max_output_bytes = 4096;
+        let plan = plan_job(&job("alice"), Some("alice"), &c, &sys()).unwrap();
+        assert_eq!(plan.cpu_quota_us, 150_000);
+        assert_eq!(plan.memory_max_bytes, 1 << 30);
+        assert_eq!(plan.max_output_bytes, 4096);
     }
 
     #[test]

@@ -1,10 +1,13 @@
 //! Publishing: job events, dead letters, heartbeats and answers, each with a
 //! publisher confirm. Results that must not be lost are retried across
-//! reconnects until the broker confirms them.
+//! reconnects until the broker confirms them, and are kept on local disk
+//! ([`Outbox`]) until their lease is released, so an agent restart
+//! republishes them instead of losing them.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use lapin::types::{AMQPValue, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::warn;
@@ -46,6 +49,23 @@ impl Publisher {
         body: &[u8],
         props: BasicProperties,
     ) -> Result<(), AmqpError> {
+        self.publish_once_mandatory(exchange, key, body, props, false)
+            .await
+    }
+
+    /// Publishes once, optionally `mandatory` (an unroutable message is
+    /// then an error); fails at once when not connected.
+    ///
+    /// # Errors
+    /// [`AmqpError`] from the publish, or `Timeout` when not connected.
+    pub async fn publish_once_mandatory(
+        &self,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), AmqpError> {
         let ch = self.channel.borrow().clone();
         let Some(ch) = ch else {
             return Err(AmqpError::Timeout {
@@ -53,7 +73,7 @@ impl Publisher {
                 secs: 0,
             });
         };
-        publish_confirmed(&ch, exchange, key, body, props, false, self.timeout).await
+        publish_confirmed(&ch, exchange, key, body, props, mandatory, self.timeout).await
     }
 
     /// Publishes until the broker confirms, waiting for reconnects. Never
@@ -129,6 +149,61 @@ pub fn dead_letter_properties(
         DEAD_BY_HEADER.into(),
         AMQPValue::LongString(LongString::from(agent)),
     );
+    copied_properties(orig, headers)
+}
+
+/// Properties of a lease copy of a pool delivery: the original properties
+/// except `user_id` (moved to [`SUBMITTER_HEADER`]; the broker would refuse
+/// a `user_id` other than the agent's own) and `expiration`, persistent,
+/// with `message_id` = the job id.
+pub fn lease_properties(orig: &BasicProperties, job_id: &str) -> BasicProperties {
+    let headers = orig.headers().clone().unwrap_or_default();
+    copied_properties(orig, headers)
+        .with_delivery_mode(2)
+        .with_message_id(job_id.into())
+}
+
+/// The number in header `name` (any integer type; absent or not a number
+/// gives 0).
+pub fn header_u32(props: &BasicProperties, name: &str) -> u32 {
+    let Some(h) = props.headers() else { return 0 };
+    let Some(v) = h.inner().get(name) else {
+        return 0;
+    };
+    let n: i128 = match v {
+        AMQPValue::ShortShortInt(n) => i128::from(*n),
+        AMQPValue::ShortShortUInt(n) => i128::from(*n),
+        AMQPValue::ShortInt(n) => i128::from(*n),
+        AMQPValue::ShortUInt(n) => i128::from(*n),
+        AMQPValue::LongInt(n) => i128::from(*n),
+        AMQPValue::LongUInt(n) => i128::from(*n),
+        AMQPValue::LongLongInt(n) => i128::from(*n),
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes())
+            .trim()
+            .parse()
+            .unwrap_or(0),
+        _ => 0,
+    };
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
+}
+
+/// The string in header `name`, if any.
+pub fn header_str(props: &BasicProperties, name: &str) -> Option<String> {
+    match props.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+/// `props` with header `name` set to the integer `value`.
+pub fn with_header_u32(props: BasicProperties, name: &str, value: u32) -> BasicProperties {
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(name.into(), AMQPValue::LongLongInt(i64::from(value)));
+    props.with_headers(headers)
+}
+
+fn copied_properties(orig: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
     if let Some(user) = orig.user_id() {
         headers.insert(
             SUBMITTER_HEADER.into(),
@@ -167,4 +242,165 @@ pub fn dead_letter_properties(
         p = p.with_app_id(v);
     }
     p
+}
+
+/// Results waiting for their confirm and their lease release, one file per
+/// job in `<state_dir>/outbox`: `<hex id>.result` (not yet confirmed) or
+/// `<hex id>.sent` (confirmed, lease not yet released). The first line is
+/// the routing key, the rest the event body.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    dir: PathBuf,
+}
+
+/// One stored result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// Routing key of the event.
+    pub routing_key: String,
+    /// Event body (JSON).
+    pub body: Vec<u8>,
+    /// Whether the broker confirmed it already.
+    pub sent: bool,
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<String> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+impl Outbox {
+    /// The outbox under `state_dir` (created, mode 0700).
+    ///
+    /// # Errors
+    /// If the directory cannot be created.
+    pub fn open(state_dir: &Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = state_dir.join("outbox");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)?;
+        Ok(Outbox { dir })
+    }
+
+    fn path(&self, job_id: &str, ext: &str) -> PathBuf {
+        self.dir.join(format!("{}.{ext}", hex(job_id)))
+    }
+
+    /// Stores the result of `job_id` durably (write, fsync, rename).
+    ///
+    /// # Errors
+    /// I/O errors.
+    pub fn store(&self, job_id: &str, routing_key: &str, body: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        let tmp = self.path(job_id, "tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(routing_key.as_bytes())?;
+        f.write_all(b"\n")?;
+        f.write_all(body)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, self.path(job_id, "result"))?;
+        if let Ok(d) = std::fs::File::open(&self.dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+
+    /// Marks the result of `job_id` as confirmed by the broker.
+    ///
+    /// # Errors
+    /// I/O errors.
+    pub fn mark_sent(&self, job_id: &str) -> std::io::Result<()> {
+        std::fs::rename(self.path(job_id, "result"), self.path(job_id, "sent"))
+    }
+
+    /// The stored result of `job_id`, if any.
+    pub fn load(&self, job_id: &str) -> Option<Stored> {
+        for (ext, sent) in [("sent", true), ("result", false)] {
+            if let Ok(data) = std::fs::read(self.path(job_id, ext)) {
+                let nl = data.iter().position(|b| *b == b'\n')?;
+                return Some(Stored {
+                    routing_key: String::from_utf8_lossy(&data[..nl]).into_owned(),
+                    body: data[nl + 1..].to_vec(),
+                    sent,
+                });
+            }
+        }
+        None
+    }
+
+    /// Removes every file of `job_id`.
+    pub fn remove(&self, job_id: &str) {
+        for ext in ["sent", "result", "tmp"] {
+            let _ = std::fs::remove_file(self.path(job_id, ext));
+        }
+    }
+
+    /// Job ids with a stored result.
+    pub fn job_ids(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if let Some((stem, ext)) = name.rsplit_once('.') {
+                    if ext == "sent" || ext == "result" {
+                        if let Some(id) = unhex(stem) {
+                            out.push(id);
+                        }
+                    }
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_outbox_keeps_a_result_until_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ob = Outbox::open(dir.path()).unwrap();
+        ob.store("12.a/b", "job.p.finished", b"{\"x\":1}").unwrap();
+        let got = ob.load("12.a/b").unwrap();
+        assert_eq!(got.routing_key, "job.p.finished");
+        assert_eq!(got.body, b"{\"x\":1}");
+        assert!(!got.sent);
+        ob.mark_sent("12.a/b").unwrap();
+        assert!(ob.load("12.a/b").unwrap().sent);
+        assert_eq!(ob.job_ids(), vec!["12.a/b".to_string()]);
+        ob.remove("12.a/b");
+        assert!(ob.load("12.a/b").is_none());
+        assert!(ob.job_ids().is_empty());
+    }
+
+    #[test]
+    fn loss_counters_are_read_from_any_integer_header() {
+        let p = with_header_u32(BasicProperties::default(), "x-vq-losses", 2);
+        assert_eq!(header_u32(&p, "x-vq-losses"), 2);
+        assert_eq!(header_u32(&BasicProperties::default(), "x-vq-losses"), 0);
+        let lease = lease_properties(
+            &p.with_user_id("alice".into()).with_expiration("100".into()),
+            "j1",
+        );
+        assert!(lease.user_id().is_none());
+        assert!(lease.expiration().is_none());
+        assert_eq!(header_str(&lease, SUBMITTER_HEADER).as_deref(), Some("alice"));
+        assert_eq!(header_u32(&lease, "x-vq-losses"), 2);
+    }
 }

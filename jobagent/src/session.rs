@@ -5,7 +5,13 @@
 //!
 //! Claims happen only in this loop, and so do the answers to ask-delete and
 //! drain, which makes "no job claimed → stop pulling" atomic with respect to
-//! taking a job.
+//! taking a job. A claimed pool delivery is acked seconds later, after its
+//! lease copy is confirmed (`consume`), so the consumer is cancelled while
+//! every slot is taken and started again with prefetch = free slots.
+//!
+//! Every session declares the agent's lease queue and scans it before it
+//! consumes: leases left by a previous agent process are recovered, lease
+//! removals that failed during an outage are completed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,13 +28,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use vq_common::amqp::{
-    bounded, confirm_channel, connect, declare_exchanges, declare_pool_queue, AmqpError, Backoff,
+    bounded, confirm_channel, connect, declare_exchanges, declare_lease_queue, declare_pool_queue,
+    AmqpError, Backoff,
 };
 use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
 use vq_common::topology::agent_event_key;
 
-use crate::consume::handle_delivery;
-use crate::error::{chain, AgentError, Rejection};
+use crate::consume::{drop_duplicate, handle_delivery, scan_leases};
+use crate::error::{chain, AgentError};
 use crate::state::Claim;
 use crate::Ctx;
 
@@ -46,10 +53,12 @@ fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
 }
 
 /// Keeps a broker session up until `stop`; publishes the current confirm
-/// channel on `channel_tx` (`None` while disconnected).
+/// channel on `channel_tx` and the lease channel on `lease_tx` (`None`
+/// while disconnected).
 pub(crate) async fn connection_loop(
     ctx: Arc<Ctx>,
     channel_tx: watch::Sender<Option<Channel>>,
+    lease_tx: watch::Sender<Option<Channel>>,
     stop: CancellationToken,
 ) {
     let mut backoff = match Backoff::try_new(Duration::from_millis(500), Duration::from_secs(30)) {
@@ -63,13 +72,14 @@ pub(crate) async fn connection_loop(
         if stop.is_cancelled() {
             break;
         }
-        match session(&ctx, &channel_tx, &stop, &mut backoff).await {
+        match session(&ctx, &channel_tx, &lease_tx, &stop, &mut backoff).await {
             Ok(()) => break,
             Err(e) => {
                 warn!(pool = %ctx.cfg.pool, error = %chain(&e), "broker session ended; reconnecting")
             }
         }
         channel_tx.send_replace(None);
+        lease_tx.send_replace(None);
         let delay = backoff.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -77,11 +87,13 @@ pub(crate) async fn connection_loop(
         }
     }
     channel_tx.send_replace(None);
+    lease_tx.send_replace(None);
 }
 
 async fn session(
     ctx: &Arc<Ctx>,
     channel_tx: &watch::Sender<Option<Channel>>,
+    lease_tx: &watch::Sender<Option<Channel>>,
     stop: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<(), AgentError> {
@@ -90,8 +102,9 @@ async fn session(
         c = connect(&ctx.cfg.broker, &name) => c?,
         _ = stop.cancelled() => return Ok(()),
     };
-    let result = run_session(ctx, &conn, channel_tx, stop, backoff).await;
+    let result = run_session(ctx, &conn, channel_tx, lease_tx, stop, backoff).await;
     channel_tx.send_replace(None);
+    lease_tx.send_replace(None);
     let _ = tokio::time::timeout(
         Duration::from_secs(5),
         conn.close(200, "jobagent stopping".into()),
@@ -104,6 +117,7 @@ async fn run_session(
     ctx: &Arc<Ctx>,
     conn: &Connection,
     channel_tx: &watch::Sender<Option<Channel>>,
+    lease_tx: &watch::Sender<Option<Channel>>,
     stop: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<(), AgentError> {
@@ -112,6 +126,11 @@ async fn run_session(
     let pub_ch = confirm_channel(conn).await?;
     declare_exchanges(&pub_ch, topo).await?;
     declare_pool_queue(&pub_ch, topo, pool).await?;
+    declare_lease_queue(&pub_ch, topo, &ctx.agent).await?;
+    let lease_ch = bounded("open lease channel", OP_TIMEOUT, async {
+        conn.create_channel().await.map_err(op("channel.open"))
+    })
+    .await?;
 
     let ctl_ch = bounded("open control channel", OP_TIMEOUT, async {
         conn.create_channel().await.map_err(op("channel.open"))
@@ -163,6 +182,8 @@ async fn run_session(
     .await?;
 
     channel_tx.send_replace(Some(pub_ch.clone()));
+    lease_tx.send_replace(Some(lease_ch.clone()));
+    scan_leases(ctx).await?;
     backoff.reset();
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
     ctx.shared.heartbeat_now.notify_one();
@@ -177,11 +198,33 @@ async fn run_session(
                 consumer = Some(start_consumer(ctx, &jobs_ch, free).await?);
             }
         }
+        if ctx.shared.is_full() || !ctx.shared.wants_pull() {
+            if let Some(c) = consumer.take() {
+                stop_consumer(ctx, &jobs_ch, c).await?;
+            }
+        }
         tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
             d = next_delivery(&mut consumer) => match d {
-                Some(Ok(delivery)) => dispatch(ctx, delivery).await,
+                Some(Ok(delivery)) => {
+                    let task = dispatch(ctx, delivery, &jobs_ch).await;
+                    // Cancel before the claim can ack: with prefetch = free
+                    // slots nothing else is in flight, so a full agent
+                    // requeues nothing (requeues count towards the pool
+                    // queue's delivery limit).
+                    let stopped = match consumer.take() {
+                        Some(c) if ctx.shared.is_full() => stop_consumer(ctx, &jobs_ch, c).await,
+                        other => {
+                            consumer = other;
+                            Ok(())
+                        }
+                    };
+                    if let Some(t) = task {
+                        tokio::spawn(t);
+                    }
+                    stopped?;
+                }
                 Some(Err(e)) => return Err(op("consume pool queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "pool queue consumer" }),
             },
@@ -190,18 +233,14 @@ async fn run_session(
                 Some(Err(e)) => return Err(op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
             },
-            _ = ctx.shared.pull_changed.notified() => {
-                if !ctx.shared.wants_pull() {
-                    if let Some(c) = consumer.take() {
-                        stop_consumer(ctx, &jobs_ch, c).await?;
-                    }
-                }
-            }
+            // Stopping and restarting the consumer happens at the top of
+            // the loop.
+            _ = ctx.shared.pull_changed.notified() => {}
             _ = tick.tick() => {
                 if !conn.status().connected() {
                     return Err(AgentError::Lost { what: "connection" });
                 }
-                for (ch, what) in [(&pub_ch, "publish channel"), (&ctl_ch, "control channel"), (&jobs_ch, "jobs channel")] {
+                for (ch, what) in [(&pub_ch, "publish channel"), (&ctl_ch, "control channel"), (&jobs_ch, "jobs channel"), (&lease_ch, "lease channel")] {
                     if !ch.status().connected() {
                         return Err(AgentError::Lost { what });
                     }
@@ -275,8 +314,13 @@ async fn requeue(d: &Delivery) {
     }
 }
 
-/// Claims a delivery and starts its task, or requeues / acks / refuses it.
-async fn dispatch(ctx: &Arc<Ctx>, delivery: Delivery) {
+/// Claims a delivery and returns its task (to be spawned), or requeues or
+/// drops it.
+async fn dispatch(
+    ctx: &Arc<Ctx>,
+    delivery: Delivery,
+    jobs_ch: &Channel,
+) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
     let decoded = Job::decode(&delivery.data);
     let key = match &decoded {
         Ok(job) => job.id.clone(),
@@ -288,32 +332,25 @@ async fn dispatch(ctx: &Arc<Ctx>, delivery: Delivery) {
             .filter(|m| !m.is_empty())
             .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple())),
     };
-    match ctx
-        .shared
-        .claim(&key, delivery.redelivered, &delivery.acker)
-    {
-        Claim::New(cancel) => {
-            tokio::spawn(handle_delivery(ctx.clone(), delivery, decoded, key, cancel));
+    match ctx.shared.claim(&key) {
+        Claim::New(cancel) => Some(Box::pin(handle_delivery(
+            ctx.clone(),
+            delivery,
+            decoded,
+            key,
+            cancel,
+            jobs_ch.clone(),
+        ))),
+        Claim::Requeue => {
+            requeue(&delivery).await;
+            None
         }
-        Claim::Requeue => requeue(&delivery).await,
-        Claim::Attached => {
-            info!(job_id = %key, "redelivery of a running job: it will be acked when the job ends")
-        }
-        Claim::AlreadyDone => {
-            info!(job_id = %key, "redelivery of a job that already finished here: acking it");
-            crate::consume::ack(ctx, &delivery.acker, &key).await;
-        }
-        Claim::DuplicateId => {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                let job = decoded.ok();
-                let rej = Rejection::DuplicateId {
-                    job_id: key.clone(),
-                };
-                crate::consume::refuse(&ctx, &delivery, job.as_ref(), &key, &rej).await;
-                crate::consume::ack(&ctx, &delivery.acker, &key).await;
-            });
-        }
+        Claim::Duplicate => Some(Box::pin(drop_duplicate(
+            ctx.clone(),
+            delivery,
+            key,
+            jobs_ch.clone(),
+        ))),
     }
 }
 

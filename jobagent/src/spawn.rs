@@ -2,13 +2,20 @@
 //! in one `pre_exec` hook, and `wait4` for its status and rusage.
 //!
 //! The parent prepares everything ([`LaunchPlan`]); after `fork` the child
-//! makes only async-signal-safe system calls, in this order: `setsid`,
-//! `setgroups` (owner's list), `setresgid`, `setresuid`, check that
-//! `setuid(0)` fails, `umask`, `chdir`, open stdout/stderr **as the owner**
-//! (`O_NOFOLLOW`, mode 0600) and `dup2` them onto fds 1 and 2, then make the
-//! script fd inheritable. std's `Command::uid/gid/current_dir` are not used:
-//! they run before `pre_exec`, as root, and break `setgroups` (DESIGN.md,
-//! "Privilege drop").
+//! makes only async-signal-safe system calls, in this order: join the job's
+//! cgroup (write `0` to its `cgroup.procs`, opened by the parent), set its
+//! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
+//! job cannot lower it again), `setsid`, `setgroups` (owner's full list),
+//! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
+//! succeeds, `umask`, `chdir`, open stdout/stderr **as the owner**
+//! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
+//! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
+//! can watch their size for `max_output_bytes` without ever opening the
+//! owner's paths), `dup2` them onto fds 1 and 2, then make the script fd
+//! inheritable. std's `Command::uid/gid/current_dir` are not used: they run
+//! before `pre_exec`, as root, and break `setgroups` (DESIGN.md, "Privilege
+//! drop"). Any failing step fails the job: it never runs with partial
+//! credentials.
 //!
 //! The script is written into a sealed `memfd` and the shell runs
 //! `/proc/self/fd/N`: the owner cannot swap it, and the job's stdin stays
@@ -17,14 +24,20 @@
 //! A failing step writes its number and errno into a close-on-exec pipe
 //! before returning the error; the parent reads the pipe after `spawn` to
 //! name the step in `Outcome::FailedToStart`.
+//!
+//! Every job leader is registered in [`leaders`] while the fork happens, so
+//! the zombie sweep of the child-subreaper (`supervise`) never reaps a
+//! leader whose status `wait_child` must collect (no `ECHILD` races).
 
 #![allow(unsafe_code)]
 
+use std::collections::BTreeSet;
 use std::ffi::CStr;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
 use nix::libc;
@@ -35,6 +48,23 @@ use vq_common::messages::{Join, Usage};
 use crate::error::LaunchError;
 use crate::plan::LaunchPlan;
 
+/// `oom_score_adj` every job starts with (the agent itself runs at
+/// [`AGENT_OOM_SCORE_ADJ`], so the kernel's OOM killer picks a job first).
+/// If the agent could not lower its own value (no `CAP_SYS_RESOURCE`, e.g.
+/// in a container), jobs get the agent's value when that is higher.
+pub const JOB_OOM_SCORE_ADJ: i32 = 0;
+
+/// `oom_score_adj` of the agent: never chosen by the OOM killer.
+pub const AGENT_OOM_SCORE_ADJ: i32 = -1000;
+
+static LEADERS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+
+/// The pids of job leaders not yet reaped by [`wait_child`]. Hold the guard
+/// while sweeping zombies so no leader is reaped by the sweep.
+pub fn leaders() -> MutexGuard<'static, BTreeSet<i32>> {
+    LEADERS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Lowest fd number used for the script and the spawn pipe, so that std's
 /// stdio setup (fds 0-2) can never clobber them.
 const MIN_FD: RawFd = 10;
@@ -42,6 +72,9 @@ const MIN_FD: RawFd = 10;
 #[derive(Clone, Copy)]
 #[repr(u8)]
 enum Step {
+    Cgroup = 11,
+    OomScore = 12,
+    PassFds = 13,
     Setsid = 1,
     Setgroups,
     Setgid,
@@ -60,7 +93,7 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         2 => format!("setgroups {:?}", plan.groups),
         3 => format!("setresgid {}", plan.gid),
         4 => format!("setresuid {}", plan.uid),
-        5 => "check that root cannot be regained (setuid(0) succeeded)".into(),
+        5 => "check that root cannot be regained (setuid(0) or setgid(0) succeeded)".into(),
         6 => format!("chdir to {} as the owner", plan.cwd.to_string_lossy()),
         7 => format!(
             "open stdout file {} as the owner",
@@ -72,6 +105,9 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         ),
         9 => "dup2 of the output files".into(),
         10 => "making the script fd inheritable".into(),
+        11 => "joining the job's cgroup".into(),
+        12 => "setting the job's oom_score_adj".into(),
+        13 => "passing the output fds to the agent".into(),
         n => format!("unknown step {n}"),
     }
 }
@@ -153,15 +189,121 @@ unsafe fn open_output(path: &CStr) -> RawFd {
     }
 }
 
-/// Starts the job of `plan`. Returns its pid, which is also its process
-/// group and session id. Blocking (forks and waits for exec): call it from a
-/// blocking thread.
+/// A started job: its leader and the agent's duplicates of its output files.
+#[derive(Debug)]
+pub struct Spawned {
+    /// Leader pid, also its process group and session id.
+    pub pid: Pid,
+    /// The output files as the job opened them (one with `-j oe`/`eo`),
+    /// received over `SCM_RIGHTS`; the supervisor `fstat`s them for
+    /// `max_output_bytes`.
+    pub outputs: Vec<OwnedFd>,
+}
+
+fn socketpair() -> Result<(OwnedFd, OwnedFd), LaunchError> {
+    let mut fds: [libc::c_int; 2] = [-1, -1];
+    // SAFETY: `fds` is a valid out-array of two ints.
+    let r = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if r == -1 {
+        return Err(LaunchError::Prepare {
+            what: "create the fd-passing socket",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: socketpair returned two new descriptors that nothing owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Sends `fds` (1 or 2) with one byte over `sock`. Async-signal-safe: stack
+/// buffers only.
+///
+/// # Safety
+/// `sock` must be a connected `AF_UNIX` socket; `fds` valid descriptors.
+unsafe fn send_fds(sock: RawFd, fds: &[RawFd]) -> libc::ssize_t {
+    let mut byte = [b'F'; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // u64 elements give the alignment cmsghdr needs.
+    let mut control = [0u64; 8];
+    let n = fds.len().min(2);
+    let payload = (n * std::mem::size_of::<RawFd>()) as libc::c_uint;
+    // SAFETY (whole block): msghdr/cmsghdr are plain data filled in place;
+    // CMSG_* are pointer arithmetic within `control`, which is large
+    // enough for two fds (CMSG_SPACE(8) = 24 bytes on 64-bit Linux).
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(payload) as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(payload) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), n);
+        libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL)
+    }
+}
+
+/// Receives the fds sent by [`send_fds`], without blocking.
+fn recv_fds(sock: &OwnedFd) -> std::io::Result<Vec<OwnedFd>> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    let mut control = [0u64; 8];
+    let mut out = Vec::new();
+    // SAFETY: as in `send_fds`; the kernel writes at most msg_controllen
+    // bytes into `control`, and every fd it delivers is new and ours.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
+        let r = libc::recvmsg(
+            sock.as_raw_fd(),
+            &mut msg,
+            libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+        );
+        if r == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    out.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok(out)
+}
+
+/// Starts the job of `plan`, in the cgroup whose `cgroup.procs` is open as
+/// `cgroup_procs` (if any). Returns its pid, which is also its process
+/// group and session id, and the output fds. Blocking (forks and waits for
+/// exec): call it from a blocking thread.
 ///
 /// # Errors
 /// [`LaunchError::Prepare`] before fork, [`LaunchError::Child`] naming the
 /// failed step in the child, [`LaunchError::Exec`] if the shell cannot be
 /// executed.
-pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
+pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawned, LaunchError> {
     let script = script_memfd(&plan.script)?;
     let script_fd = script.as_raw_fd();
     let (rd, wr) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
@@ -170,6 +312,10 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
     })?;
     let wr = high_fd(wr, "move the spawn pipe")?;
     let pipe_fd = wr.as_raw_fd();
+    let (fd_rx, fd_tx) = socketpair()?;
+    let fd_tx = high_fd(fd_tx, "move the fd-passing socket")?;
+    let sock_fd = fd_tx.as_raw_fd();
+    let cg_fd: RawFd = cgroup_procs.map_or(-1, AsRawFd::as_raw_fd);
 
     let shell =
         std::ffi::OsStr::new(std::str::from_utf8(plan.shell.to_bytes()).unwrap_or("/bin/sh"));
@@ -187,12 +333,31 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
     let stdout = plan.stdout.clone();
     let stderr = plan.stderr.clone();
     let join = plan.join;
+    let agent_oom = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .unwrap_or(JOB_OOM_SCORE_ADJ);
+    let oom_value = JOB_OOM_SCORE_ADJ.max(agent_oom).to_string().into_bytes();
 
     let hook = move || -> std::io::Result<()> {
         // SAFETY: every call below is an async-signal-safe system call on
         // data prepared before fork (no allocation, no locks); this closure
         // runs in the forked child only.
         unsafe {
+            if cg_fd >= 0 && libc::write(cg_fd, b"0".as_ptr().cast(), 1) != 1 {
+                return Err(fail(pipe_fd, Step::Cgroup, errno()));
+            }
+            let oom = libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            );
+            if oom == -1
+                || libc::write(oom, oom_value.as_ptr().cast(), oom_value.len())
+                    != oom_value.len() as isize
+            {
+                return Err(fail(pipe_fd, Step::OomScore, errno()));
+            }
+            libc::close(oom);
             if libc::setsid() == -1 {
                 return Err(fail(pipe_fd, Step::Setsid, errno()));
             }
@@ -205,14 +370,14 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
             if libc::setresuid(uid, uid, uid) == -1 {
                 return Err(fail(pipe_fd, Step::Setuid, errno()));
             }
-            if libc::setuid(0) != -1 {
+            if libc::setuid(0) != -1 || libc::setgid(0) != -1 || libc::geteuid() == 0 {
                 return Err(fail(pipe_fd, Step::RegainRoot, libc::EPERM));
             }
             libc::umask(umask as libc::mode_t);
             if libc::chdir(cwd.as_ptr()) == -1 {
                 return Err(fail(pipe_fd, Step::Chdir, errno()));
             }
-            match join {
+            let (out, err) = match join {
                 Join::Oe | Join::Eo => {
                     let (path, step) = if join == Join::Oe {
                         (&stdout, Step::OpenStdout)
@@ -223,9 +388,7 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
                     if fd == -1 {
                         return Err(fail(pipe_fd, step, errno()));
                     }
-                    if libc::dup2(fd, 1) == -1 || libc::dup2(fd, 2) == -1 {
-                        return Err(fail(pipe_fd, Step::Dup, errno()));
-                    }
+                    (fd, fd)
                 }
                 Join::N => {
                     let out = open_output(&stdout);
@@ -236,10 +399,16 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
                     if err == -1 {
                         return Err(fail(pipe_fd, Step::OpenStderr, errno()));
                     }
-                    if libc::dup2(out, 1) == -1 || libc::dup2(err, 2) == -1 {
-                        return Err(fail(pipe_fd, Step::Dup, errno()));
-                    }
+                    (out, err)
                 }
+            };
+            let both = [out, err];
+            let fds = if out == err { &both[..1] } else { &both[..] };
+            if send_fds(sock_fd, fds) != 1 {
+                return Err(fail(pipe_fd, Step::PassFds, errno()));
+            }
+            if libc::dup2(out, 1) == -1 || libc::dup2(err, 2) == -1 {
+                return Err(fail(pipe_fd, Step::Dup, errno()));
             }
             if libc::fcntl(script_fd, libc::F_SETFD, 0) == -1 {
                 return Err(fail(pipe_fd, Step::ScriptFd, errno()));
@@ -252,13 +421,28 @@ pub fn spawn(plan: &LaunchPlan) -> Result<Pid, LaunchError> {
     unsafe {
         cmd.pre_exec(hook);
     }
-    let spawned = cmd.spawn();
+    let spawned = {
+        // Registered under the lock, so the zombie sweep never sees this
+        // leader unregistered.
+        let mut leaders = leaders();
+        let spawned = cmd.spawn();
+        if let Ok(child) = &spawned {
+            leaders.insert(child.id() as i32);
+        }
+        spawned
+    };
     drop(wr);
+    drop(fd_tx);
     let mut report = Vec::new();
     let _ = std::fs::File::from(rd).read_to_end(&mut report);
     drop(script);
     match spawned {
-        Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
+        Ok(child) => {
+            let pid = Pid::from_raw(child.id() as i32);
+            // The child sent its fds before exec, and exec has happened.
+            let outputs = recv_fds(&fd_rx).unwrap_or_default();
+            Ok(Spawned { pid, outputs })
+        }
         Err(source) if report.len() >= 5 => {
             let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
             Err(LaunchError::Child {
@@ -301,6 +485,7 @@ pub fn wait_child(pid: Pid) -> std::io::Result<Reaped> {
         // SAFETY: valid pointers to locals; pid is our own child.
         let r = unsafe { libc::wait4(pid.as_raw(), &mut status, 0, &mut ru) };
         if r == pid.as_raw() {
+            leaders().remove(&pid.as_raw());
             break;
         }
         let err = std::io::Error::last_os_error();

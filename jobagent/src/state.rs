@@ -1,28 +1,25 @@
 //! The agent's shared state: claimed jobs, whether it pulls, whether it
-//! agreed to be deleted. Guarded by one std mutex that is never held across
-//! an `.await`; the session loop is the only place that claims jobs, which
+//! agreed to be deleted, and which lease messages must be removed at the
+//! next lease scan. Guarded by one std mutex that is never held across an
+//! `.await`; the session loop is the only place that claims jobs, which
 //! makes "check idle and stop pulling" atomic with respect to taking jobs.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use lapin::Acker;
 use nix::unistd::Pid;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use vq_common::messages::AgentState;
-
-/// How many job ids whose ack was lost are remembered.
-const ACK_LOST_MEMORY: usize = 1024;
 
 /// A job claimed by this agent (validating, running or reporting).
 #[derive(Debug)]
 struct Claimed {
     cancel: CancellationToken,
     pid: Option<Pid>,
-    /// Ackers of redeliveries of this job that arrived while it ran.
-    extra: Vec<Acker>,
+    /// Stopped by the agent's shutdown, not by the job or a user.
+    interrupted: bool,
 }
 
 #[derive(Debug)]
@@ -32,7 +29,10 @@ struct Inner {
     is_del: bool,
     jobs: BTreeMap<String, Claimed>,
     last_end: Instant,
-    ack_lost: VecDeque<String>,
+    /// Job ids whose lease message must be removed (acked) at the next
+    /// lease scan: their result is confirmed, or their claim was abandoned
+    /// because the pool delivery could not be acked.
+    drop_leases: BTreeSet<String>,
 }
 
 /// Result of [`Shared::claim`].
@@ -40,16 +40,12 @@ struct Inner {
 pub enum Claim {
     /// Run it; the token cancels it.
     New(CancellationToken),
-    /// The agent does not pull: return the delivery to the queue.
+    /// The agent does not pull or has no free slot: return the delivery
+    /// to the queue.
     Requeue,
-    /// A redelivery of a job running here: its acker was attached and is
-    /// acked when the job ends.
-    Attached,
-    /// A redelivery of a job that already finished here but whose ack was
-    /// lost: ack it without running it again.
-    AlreadyDone,
-    /// A fresh delivery with the id of a job running here: refuse it.
-    DuplicateId,
+    /// A delivery of a job that runs here (its lease is held here): a
+    /// duplicate, acked and dead-lettered without running.
+    Duplicate,
 }
 
 /// A point-in-time view for heartbeats.
@@ -89,7 +85,7 @@ impl Shared {
                 is_del: false,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
-                ack_lost: VecDeque::new(),
+                drop_leases: BTreeSet::new(),
             }),
             slots: slots as usize,
             pull_changed: Notify::new(),
@@ -112,35 +108,58 @@ impl Shared {
         self.slots.saturating_sub(self.lock().jobs.len())
     }
 
-    /// Claims a delivery for job `key`.
-    pub fn claim(&self, key: &str, redelivered: bool, acker: &Acker) -> Claim {
+    /// Claims a pool delivery for job `key`.
+    pub fn claim(&self, key: &str) -> Claim {
         let mut g = self.lock();
-        if let Some(job) = g.jobs.get_mut(key) {
-            if redelivered {
-                job.extra.push(acker.clone());
-                return Claim::Attached;
-            }
-            return Claim::DuplicateId;
+        if g.jobs.contains_key(key) {
+            return Claim::Duplicate;
         }
-        if redelivered && g.ack_lost.iter().any(|k| k == key) {
-            return Claim::AlreadyDone;
-        }
-        if !g.pulling {
+        if !g.pulling || g.jobs.len() >= self.slots {
             return Claim::Requeue;
         }
-        let cancel = CancellationToken::new();
-        g.jobs.insert(
-            key.to_string(),
-            Claimed {
-                cancel: cancel.clone(),
-                pid: None,
-                extra: Vec::new(),
-            },
-        );
+        Self::insert(&mut g, key);
+        let cancel = g.jobs[key].cancel.clone();
         let n = g.jobs.len();
         drop(g);
         self.count.send_replace(n);
         Claim::New(cancel)
+    }
+
+    /// Claims a job found in the agent's own lease queue (recovery after a
+    /// restart), whatever the pulling state. `None` if it is claimed
+    /// already.
+    pub fn claim_recovered(&self, key: &str) -> Option<CancellationToken> {
+        let mut g = self.lock();
+        if g.jobs.contains_key(key) {
+            return None;
+        }
+        Self::insert(&mut g, key);
+        let cancel = g.jobs[key].cancel.clone();
+        let n = g.jobs.len();
+        drop(g);
+        self.count.send_replace(n);
+        Some(cancel)
+    }
+
+    fn insert(g: &mut Inner, key: &str) {
+        g.jobs.insert(
+            key.to_string(),
+            Claimed {
+                cancel: CancellationToken::new(),
+                pid: None,
+                interrupted: false,
+            },
+        );
+    }
+
+    /// Whether job `key` is claimed here.
+    pub fn is_claimed(&self, key: &str) -> bool {
+        self.lock().jobs.contains_key(key)
+    }
+
+    /// Whether every slot is taken.
+    pub fn is_full(&self) -> bool {
+        self.lock().jobs.len() >= self.slots
     }
 
     /// Records the pid of a started job.
@@ -150,28 +169,32 @@ impl Shared {
         }
     }
 
-    /// Releases job `key` after its report; returns ackers of redeliveries
-    /// to ack as well.
-    pub fn release(&self, key: &str) -> Vec<Acker> {
+    /// Releases job `key` (its result is confirmed, or it never ran).
+    pub fn release(&self, key: &str) {
         let mut g = self.lock();
-        let extra = g.jobs.remove(key).map(|j| j.extra).unwrap_or_default();
+        g.jobs.remove(key);
         g.last_end = Instant::now();
         let n = g.jobs.len();
         drop(g);
         self.count.send_replace(n);
         self.pull_changed.notify_one();
         self.heartbeat_now.notify_one();
-        extra
     }
 
-    /// Remembers that the ack of job `key` was lost with its channel, so a
-    /// redelivery is acked instead of run again.
-    pub fn note_ack_lost(&self, key: &str) {
-        let mut g = self.lock();
-        g.ack_lost.push_back(key.to_string());
-        while g.ack_lost.len() > ACK_LOST_MEMORY {
-            g.ack_lost.pop_front();
-        }
+    /// Remembers that the lease message of job `key` must be removed at the
+    /// next lease scan (it could not be removed now).
+    pub fn drop_lease_later(&self, key: &str) {
+        self.lock().drop_leases.insert(key.to_string());
+    }
+
+    /// Whether the lease of `key` is to be removed; forgets it.
+    pub fn take_drop_lease(&self, key: &str) -> bool {
+        self.lock().drop_leases.remove(key)
+    }
+
+    /// Forgets a pending lease removal (the lease was removed).
+    pub fn forget_drop_lease(&self, key: &str) {
+        self.lock().drop_leases.remove(key);
     }
 
     /// If no job is claimed, stops pulling and returns `Ok`; else returns
@@ -224,11 +247,21 @@ impl Shared {
         }
     }
 
-    /// Cancels every claimed job.
-    pub fn cancel_all(&self) {
-        for job in self.lock().jobs.values() {
+    /// Stops every claimed job because the agent shuts down: rerunnable
+    /// ones keep their lease (to be run again), others are reported failed.
+    pub fn interrupt_all(&self) {
+        for job in self.lock().jobs.values_mut() {
+            job.interrupted = true;
             job.cancel.cancel();
         }
+    }
+
+    /// Whether job `key` was stopped by [`Shared::interrupt_all`].
+    pub fn take_interrupted(&self, key: &str) -> bool {
+        self.lock()
+            .jobs
+            .get(key)
+            .is_some_and(|j| j.interrupted)
     }
 
     /// Sends SIGKILL to the process group of every started job (forced

@@ -1,59 +1,773 @@
-//! Supervision of a running job: wait for it on a blocking thread, enforce
-//! the walltime on the monotonic clock, honour cancel, and stop the whole
-//! process group with SIGTERM then SIGKILL.
+//! Process lifetime of jobs: start one in its own session (and cgroup v2
+//! when available), wait for it on a blocking thread, enforce walltime on
+//! the monotonic clock, honour cancel, cap its output, and make sure no
+//! process of the job outlives it.
+//!
+//! # How the processes of a job are found
+//! - **cgroup v2** (preferred): at start the agent finds its own cgroup
+//!   (`/proc/self/cgroup` line `0::PATH` under the cgroup2 mount from
+//!   `/proc/self/mountinfo`; with systemd this needs `Delegate=yes`). Each
+//!   job gets `<agent cgroup>/vq-job-<agent pid>-<n>`, joined by the child
+//!   before it drops privileges, with optional `memory.max` and `cpu.max`.
+//!   SIGTERM goes to every pid in `cgroup.procs`; SIGKILL is `cgroup.kill`.
+//!   If the agent's cgroup holds the agent itself and a controller must be
+//!   enabled, the agent first moves itself into `<agent cgroup>/vq-agent`
+//!   (cgroup v2's no-internal-processes rule).
+//! - **fallback** (no writable cgroup2, or `cgroups = false`): the job's
+//!   process group and session (the leader calls `setsid`), plus, because
+//!   the agent is a child subreaper (`PR_SET_CHILD_SUBREAPER`), every
+//!   process of the owner's uid that was orphaned to the agent, plus all
+//!   their descendants. A process that escaped with `setsid` and whose
+//!   parent died is therefore found. Limitation: with two jobs of the same
+//!   owner running at once, an orphan of one is also attributed to the
+//!   other (use cgroups to avoid it).
+//!
+//! # How a job ends
+//! The job ends when its main process (the shell) exits. Any process of the
+//! job still alive then gets SIGTERM, and SIGKILL after `kill_grace_secs`;
+//! the report waits until they are gone. Walltime, cancel and the output
+//! cap send SIGTERM to every process of the job, then SIGKILL after the
+//! grace. Zombies of orphans (reparented to the agent) are reaped by a
+//! sweep that skips registered job leaders ([`crate::spawn::leaders`]) and
+//! root-owned children (the agent's own `getent` helpers, which std waits
+//! for), so `wait4` on a leader never races into `ECHILD`.
+//!
+//! # When the agent itself dies
+//! Each running job is recorded in `<state_dir>/running/<pid>.json` (leader
+//! pid and start time, owner uid, cgroup). Under systemd the unit's
+//! default `KillMode=control-group` kills the jobs with the agent. Without
+//! it the jobs keep running, orphaned to init; the next agent started with
+//! the same `state_dir` kills what is left of them ([`prepare_host`]),
+//! as DESIGN.md's *recover* rule demands, and their deliveries follow the
+//! lease rules.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+use vq_common::config::AgentConfig;
 use vq_common::messages::{Outcome, Usage};
 
-use crate::spawn::{wait_child, Reaped};
+use crate::error::{chain, LaunchError};
+use crate::plan::{LaunchPlan, CPU_PERIOD_US};
+use crate::spawn::{leaders, spawn, wait_child, Reaped, AGENT_OOM_SCORE_ADJ};
+
+/// How often a running job's output size is checked and zombies are swept.
+pub const TICK: Duration = Duration::from_secs(1);
+
+/// Name of the leaf cgroup the agent moves itself into when it must enable
+/// controllers in its own cgroup.
+const AGENT_LEAF: &str = "vq-agent";
 
 /// Why the agent stopped a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stop {
     Walltime,
     Cancelled,
+    OutputLimit,
 }
 
-fn signal_group(pid: Pid, sig: Signal) {
-    match killpg(pid, sig) {
-        Ok(()) | Err(nix::Error::ESRCH) => {}
-        Err(e) => {
-            warn!(pid = pid.as_raw(), signal = %sig, error = %e, "cannot signal job process group")
+/// Host-wide facts and setup, decided once per agent process.
+#[derive(Debug)]
+struct Host {
+    agent_pid: i32,
+    cgroup_base: Option<PathBuf>,
+    /// Serialises enabling controllers and moving the agent.
+    controllers: Mutex<()>,
+}
+
+static HOST: OnceLock<Host> = OnceLock::new();
+static JOB_SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn host(cgroups: bool) -> &'static Host {
+    HOST.get_or_init(|| {
+        if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+            warn!(error = %e, "cannot become a child subreaper; escaped job processes are found by uid only");
+        }
+        if let Err(e) = std::fs::write("/proc/self/oom_score_adj", AGENT_OOM_SCORE_ADJ.to_string()) {
+            warn!(error = %e, "cannot set the agent's oom_score_adj");
+        }
+        let cgroup_base = if cgroups { detect_cgroup() } else { None };
+        match &cgroup_base {
+            Some(p) => info!(cgroup = %p.display(), "jobs run in their own cgroup v2"),
+            None => info!("no writable cgroup v2 (or cgroups = false): jobs are tracked by session, process group and subreaper"),
+        }
+        Host {
+            agent_pid: std::process::id() as i32,
+            cgroup_base,
+            controllers: Mutex::new(()),
+        }
+    })
+}
+
+/// Prepares the host once, at agent start: child subreaper, the agent's
+/// `oom_score_adj` ([`AGENT_OOM_SCORE_ADJ`]), cgroup detection, a
+/// root-only (0700) `state_dir` and its `running/` directory, and kills
+/// what is left of jobs of a previous agent recorded there.
+pub fn prepare_host(cfg: &AgentConfig) {
+    host(cfg.cgroups);
+    secure_dir(&cfg.state_dir);
+    let running = cfg.state_dir.join("running");
+    secure_dir(&running);
+    recover_leftovers(&running);
+    if let Some(base) = &host(cfg.cgroups).cgroup_base {
+        remove_stale_cgroups(base);
+    }
+}
+
+/// Removes empty job cgroups of agent processes that no longer exist (an
+/// agent killed between a job's end and its cgroup's removal). Non-empty
+/// ones are left to the recovery of their own agent's state directory.
+fn remove_stale_cgroups(base: &Path) {
+    let Ok(dir) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("vq-job-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        if cgroup_pids(&entry.path()).is_empty() {
+            let _ = std::fs::remove_dir(entry.path());
         }
     }
 }
 
-/// Waits for the job whose leader (and process group) is `pid`. After
-/// `walltime`, or when `cancel` fires, sends SIGTERM to the group and
-/// SIGKILL `grace` later. When the leader has exited, any process left in
-/// its group is killed. Returns the outcome and usage (wall time measured
-/// from `started` on the monotonic clock).
-pub async fn supervise(
-    pid: Pid,
+fn secure_dir(dir: &Path) {
+    if let Err(e) = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
+        warn!(path = %dir.display(), error = %e, "cannot create directory");
+        return;
+    }
+    let _ = nix::unistd::chown(dir, Some(nix::unistd::Uid::from_raw(0)), None);
+    if let Ok(meta) = std::fs::metadata(dir) {
+        if meta.permissions().mode() & 0o077 != 0 {
+            warn!(path = %dir.display(), "state directory was accessible to others: now 0700");
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- /proc
+
+/// One line of `/proc/<pid>/stat` that matters here.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    state: char,
+    ppid: i32,
+    pgrp: i32,
+    session: i32,
+    starttime: u64,
+}
+
+fn proc_stat(pid: i32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and ')': parse after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(ProcStat {
+        state: f.first()?.chars().next()?,
+        ppid: f.get(1)?.parse().ok()?,
+        pgrp: f.get(2)?.parse().ok()?,
+        session: f.get(3)?.parse().ok()?,
+        starttime: f.get(19)?.parse().ok()?,
+    })
+}
+
+fn proc_uid(pid: i32) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = text.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn all_pids() -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Reaps zombie children of the agent that are not job leaders and not
+/// root-owned (see the module docs). Returns how many were reaped.
+fn sweep_zombies(agent_pid: i32) -> usize {
+    let leaders = leaders();
+    let mut reaped = 0;
+    for pid in all_pids() {
+        if leaders.contains(&pid) {
+            continue;
+        }
+        let Some(st) = proc_stat(pid) else { continue };
+        if st.ppid != agent_pid || st.state != 'Z' || proc_uid(pid).unwrap_or(0) == 0 {
+            continue;
+        }
+        if let Ok(status) = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
+            if status.pid().is_some() {
+                reaped += 1;
+            }
+        }
+    }
+    reaped
+}
+
+/// Live (non-zombie) processes of a job without a cgroup: its process group
+/// and session, orphans of `uid` reparented to the agent, and all their
+/// descendants.
+fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<i32> {
+    let leaders = leaders().clone();
+    let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
+    for pid in all_pids() {
+        if let Some(st) = proc_stat(pid) {
+            stats.insert(pid, st);
+        }
+    }
+    let mut members: BTreeSet<i32> = stats
+        .iter()
+        .filter(|(pid, st)| {
+            st.pgrp == leader
+                || st.session == leader
+                || (st.ppid == agent_pid && !leaders.contains(pid) && proc_uid(**pid) == Some(uid))
+        })
+        .map(|(pid, _)| *pid)
+        .collect();
+    loop {
+        let more: Vec<i32> = stats
+            .iter()
+            .filter(|(pid, st)| members.contains(&st.ppid) && !members.contains(pid))
+            .map(|(pid, _)| *pid)
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        members.extend(more);
+    }
+    members
+        .into_iter()
+        .filter(|p| *p != agent_pid && stats.get(p).is_some_and(|s| s.state != 'Z'))
+        .collect()
+}
+
+// -------------------------------------------------------------- cgroups
+
+fn detect_cgroup() -> Option<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mount = mountinfo.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        post.starts_with("cgroup2 ")
+            .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))?
+    })?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mut base = mount.join(rel.trim_start_matches('/'));
+    if base.file_name().is_some_and(|n| n == AGENT_LEAF) {
+        base.pop();
+    }
+    let probe = base.join(format!("vq-probe-{}", std::process::id()));
+    match std::fs::create_dir(&probe) {
+        Ok(()) => {
+            let _ = std::fs::remove_dir(&probe);
+            Some(base)
+        }
+        Err(e) => {
+            info!(cgroup = %base.display(), error = %e, "cgroup v2 not writable");
+            None
+        }
+    }
+}
+
+fn write_file(path: &Path, value: &str) -> std::io::Result<()> {
+    OpenOptions::new()
+        .write(true)
+        .open(path)?
+        .write_all(value.as_bytes())
+}
+
+fn cg_err(what: String) -> impl FnOnce(std::io::Error) -> LaunchError {
+    move |source| LaunchError::Cgroup { what, source }
+}
+
+/// Enables `controllers` (e.g. `memory`) for the children of `base`,
+/// moving the agent into [`AGENT_LEAF`] first if `base` holds processes.
+fn enable_controllers(host: &Host, base: &Path, controllers: &[&str]) -> Result<(), LaunchError> {
+    let _guard = host.controllers.lock().unwrap_or_else(|e| e.into_inner());
+    let enabled = std::fs::read_to_string(base.join("cgroup.subtree_control")).unwrap_or_default();
+    let available = std::fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
+    for c in controllers {
+        if enabled.split_whitespace().any(|e| e == *c) {
+            continue;
+        }
+        if !available.split_whitespace().any(|e| e == *c) {
+            return Err(LaunchError::Cgroup {
+                what: format!(
+                    "controller {c} is not available in {} (a limit is configured, so the job does not run without it)",
+                    base.display()
+                ),
+                source: std::io::Error::from_raw_os_error(nix::libc::ENOENT),
+            });
+        }
+        let control = base.join("cgroup.subtree_control");
+        match write_file(&control, &format!("+{c}")) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(nix::libc::EBUSY) => {
+                let leaf = base.join(AGENT_LEAF);
+                let _ = std::fs::create_dir(&leaf);
+                write_file(&leaf.join("cgroup.procs"), "0")
+                    .map_err(cg_err(format!("move the agent into {}", leaf.display())))?;
+                info!(cgroup = %leaf.display(), "agent moved into its own leaf cgroup");
+                write_file(&control, &format!("+{c}"))
+                    .map_err(cg_err(format!("enable {c} in {}", control.display())))?;
+            }
+            Err(e) => {
+                return Err(cg_err(format!("enable {c} in {}", control.display()))(e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The cgroup of one job.
+#[derive(Debug)]
+struct JobCgroup {
+    path: PathBuf,
+    procs: OwnedFd,
+}
+
+impl JobCgroup {
+    fn create(host: &Host, base: &Path, plan: &LaunchPlan) -> Result<Self, LaunchError> {
+        let mut wanted = Vec::new();
+        if plan.memory_max_bytes > 0 {
+            wanted.push("memory");
+        }
+        if plan.cpu_quota_us > 0 {
+            wanted.push("cpu");
+        }
+        if !wanted.is_empty() {
+            enable_controllers(host, base, &wanted)?;
+        }
+        let path = base.join(format!(
+            "vq-job-{}-{}",
+            host.agent_pid,
+            JOB_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&path).map_err(cg_err(format!("mkdir {}", path.display())))?;
+        let remove = |e: LaunchError| {
+            let _ = std::fs::remove_dir(&path);
+            e
+        };
+        if plan.memory_max_bytes > 0 {
+            write_file(&path.join("memory.max"), &plan.memory_max_bytes.to_string())
+                .map_err(cg_err(format!("set memory.max of {}", path.display())))
+                .map_err(remove)?;
+            // No swap beyond the limit either, where swap accounting exists.
+            let _ = write_file(&path.join("memory.swap.max"), "0");
+        }
+        if plan.cpu_quota_us > 0 {
+            write_file(
+                &path.join("cpu.max"),
+                &format!("{} {CPU_PERIOD_US}", plan.cpu_quota_us),
+            )
+            .map_err(cg_err(format!("set cpu.max of {}", path.display())))
+            .map_err(remove)?;
+        }
+        let procs = OpenOptions::new()
+            .write(true)
+            .open(path.join("cgroup.procs"))
+            .map_err(cg_err(format!("open {}/cgroup.procs", path.display())))
+            .map_err(remove)?;
+        Ok(JobCgroup {
+            path,
+            procs: procs.into(),
+        })
+    }
+}
+
+fn cgroup_pids(path: &Path) -> Vec<i32> {
+    std::fs::read_to_string(path.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+fn cgroup_kill(path: &Path) {
+    if write_file(&path.join("cgroup.kill"), "1").is_err() {
+        // Kernels before 5.14: kill what is listed (repeat callers loop).
+        for pid in cgroup_pids(path) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+// ------------------------------------------------------------- records
+
+/// What a restarted agent needs to kill what is left of a job.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    job_id: String,
+    pid: i32,
+    starttime: u64,
+    uid: u32,
+    cgroup: Option<PathBuf>,
+    /// Without a cgroup: the job's processes (pid, start time) last seen,
+    /// so processes that escaped with `setsid` are found after a restart.
+    #[serde(default)]
+    members: Vec<(i32, u64)>,
+}
+
+fn record_path(dir: &Path, pid: Pid) -> PathBuf {
+    dir.join("running").join(format!("{}.json", pid.as_raw()))
+}
+
+fn write_record(dir: &Path, rec: &Record) {
+    let path = record_path(dir, Pid::from_raw(rec.pid));
+    let body = serde_json::to_vec(rec).unwrap_or_default();
+    if let Err(e) = std::fs::write(&path, body) {
+        warn!(path = %path.display(), error = %e, "cannot record the running job; a restarted agent will not find it");
+    }
+}
+
+/// Kills what is left of the jobs recorded in `running` by a previous agent
+/// and removes the records.
+fn recover_leftovers(running: &Path) {
+    let Ok(dir) = std::fs::read_dir(running) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let rec: Option<Record> = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        if let Some(rec) = rec {
+            let mut killed = 0;
+            match &rec.cgroup {
+                Some(cg) if cg.is_dir() => {
+                    for _ in 0..50 {
+                        let pids = cgroup_pids(cg);
+                        if pids.is_empty() {
+                            break;
+                        }
+                        killed = killed.max(pids.len());
+                        cgroup_kill(cg);
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    let _ = std::fs::remove_dir(cg);
+                }
+                _ => {
+                    let leader_alive =
+                        proc_stat(rec.pid).is_some_and(|st| st.starttime == rec.starttime);
+                    let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
+                    for pid in all_pids() {
+                        if let Some(st) = proc_stat(pid) {
+                            stats.insert(pid, st);
+                        }
+                    }
+                    let mut doomed: BTreeSet<i32> = stats
+                        .iter()
+                        .filter(|(pid, st)| {
+                            let known = rec
+                                .members
+                                .iter()
+                                .any(|(p, start)| p == *pid && *start == st.starttime);
+                            let in_session = (st.session == rec.pid || st.pgrp == rec.pid)
+                                && (leader_alive || **pid != rec.pid)
+                                && proc_uid(**pid) == Some(rec.uid);
+                            known || in_session
+                        })
+                        .map(|(pid, _)| *pid)
+                        .collect();
+                    loop {
+                        let more: Vec<i32> = stats
+                            .iter()
+                            .filter(|(pid, st)| doomed.contains(&st.ppid) && !doomed.contains(pid))
+                            .map(|(pid, _)| *pid)
+                            .collect();
+                        if more.is_empty() {
+                            break;
+                        }
+                        doomed.extend(more);
+                    }
+                    doomed.remove(&(std::process::id() as i32));
+                    for pid in &doomed {
+                        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                    }
+                    killed = doomed.len();
+                }
+            }
+            warn!(job_id = %rec.job_id, pid = rec.pid, processes = killed, "killed what was left of a job of a previous agent");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+// ------------------------------------------------------------ the job
+
+/// The processes of one running job and how to signal them.
+struct Members<'a> {
+    host: &'a Host,
+    leader: Pid,
+    uid: u32,
+    cgroup: Option<&'a JobCgroup>,
+}
+
+impl Members<'_> {
+    fn live(&self) -> Vec<i32> {
+        match self.cgroup {
+            Some(cg) => cgroup_pids(&cg.path),
+            None => fallback_members(self.leader.as_raw(), self.uid, self.host.agent_pid),
+        }
+    }
+
+    /// Sends `sig` to every process of the job; `group` also signals the
+    /// leader's process group (only while the leader is not yet reaped, so
+    /// its pid cannot have been reused).
+    fn signal(&self, sig: Signal, group: bool) {
+        if sig == Signal::SIGKILL {
+            if let Some(cg) = self.cgroup {
+                cgroup_kill(&cg.path);
+            }
+        }
+        if group {
+            match killpg(self.leader, sig) {
+                Ok(()) | Err(nix::Error::ESRCH) | Err(nix::Error::EPERM) => {}
+                Err(e) => {
+                    warn!(pid = self.leader.as_raw(), signal = %sig, error = %e, "cannot signal job process group")
+                }
+            }
+        }
+        for pid in self.live() {
+            let _ = kill(Pid::from_raw(pid), sig);
+        }
+    }
+
+    /// After the leader was reaped: SIGTERM what is left, SIGKILL after
+    /// `grace`, and wait (bounded) until nothing is left.
+    async fn finish_off(&self, grace: Duration) {
+        if self.live().is_empty() {
+            sweep_zombies(self.host.agent_pid);
+            return;
+        }
+        info!(
+            pid = self.leader.as_raw(),
+            "processes of the job are left after its main process ended: SIGTERM"
+        );
+        self.signal(Signal::SIGTERM, false);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline && !self.live().is_empty() {
+            sweep_zombies(self.host.agent_pid);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for _ in 0..100 {
+            sweep_zombies(self.host.agent_pid);
+            let left = self.live();
+            if left.is_empty() {
+                break;
+            }
+            info!(
+                pid = self.leader.as_raw(),
+                left = left.len(),
+                "SIGKILL to what is left of the job"
+            );
+            self.signal(Signal::SIGKILL, false);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        sweep_zombies(self.host.agent_pid);
+    }
+}
+
+/// Without a cgroup: records the job's current processes so a restarted
+/// agent can find processes that escaped the session.
+fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path) {
+    let now: Vec<(i32, u64)> = members
+        .live()
+        .into_iter()
+        .filter_map(|p| Some((p, proc_stat(p)?.starttime)))
+        .collect();
+    if now != record.members {
+        record.members = now;
+        write_record(state_dir, record);
+    }
+}
+
+fn output_over(outputs: &[OwnedFd], cap: u64) -> bool {
+    cap > 0
+        && outputs
+            .iter()
+            .any(|fd| nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_size.max(0) as u64 > cap))
+}
+
+/// Starts the job of `plan` (calling `on_start` with its leader pid) and
+/// supervises it to its end. After `plan.walltime` (monotonic, from
+/// `started`), when `cancel` fires, or when an output file exceeds
+/// `plan.max_output_bytes`, every process of the job gets SIGTERM, then
+/// SIGKILL `plan.kill_grace` later. Returns the outcome and usage (wall
+/// time from `started`); a start failure is `Outcome::FailedToStart`.
+pub async fn run_job(
+    plan: LaunchPlan,
     started: Instant,
-    walltime: Duration,
-    grace: Duration,
+    cancel: CancellationToken,
+    on_start: impl FnOnce(Pid),
+) -> (Outcome, Usage) {
+    let failed = |e: &LaunchError| {
+        (
+            Outcome::FailedToStart { reason: chain(e) },
+            Usage {
+                wall_secs: started.elapsed().as_secs_f64(),
+                ..Usage::default()
+            },
+        )
+    };
+    let host = host(plan.cgroups);
+    let wants_limits = plan.memory_max_bytes > 0 || plan.cpu_quota_us > 0;
+    let cgroup = match (&host.cgroup_base, plan.cgroups) {
+        (Some(base), true) => match JobCgroup::create(host, base, &plan) {
+            Ok(cg) => Some(cg),
+            Err(e) if wants_limits => return failed(&e),
+            Err(e) => {
+                warn!(error = %chain(&e), "job runs without its own cgroup");
+                None
+            }
+        },
+        _ if wants_limits => return failed(&LaunchError::Cgroup {
+            what: "job_memory_max_bytes/job_cpu_max are set but no writable cgroup v2 is available"
+                .into(),
+            source: std::io::Error::from_raw_os_error(nix::libc::ENOTSUP),
+        }),
+        _ => None,
+    };
+    let spawned = {
+        let plan = plan.clone();
+        let procs = cgroup.as_ref().map(|c| c.procs.try_clone());
+        tokio::task::spawn_blocking(move || {
+            let procs = match procs {
+                Some(Ok(fd)) => Some(fd),
+                Some(Err(source)) => {
+                    return Err(LaunchError::Prepare {
+                        what: "duplicate the cgroup.procs fd",
+                        source,
+                    })
+                }
+                None => None,
+            };
+            spawn(&plan, procs.as_ref())
+        })
+        .await
+    };
+    let spawned = match spawned {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            if let Some(cg) = &cgroup {
+                let _ = std::fs::remove_dir(&cg.path);
+            }
+            return failed(&e);
+        }
+        Err(e) => {
+            return (
+                Outcome::FailedToStart {
+                    reason: format!("spawn thread failed: {e}"),
+                },
+                Usage::default(),
+            )
+        }
+    };
+    let pid = spawned.pid;
+    on_start(pid);
+    let mut record = Record {
+        job_id: plan.job_id.clone(),
+        pid: pid.as_raw(),
+        starttime: proc_stat(pid.as_raw()).map_or(0, |s| s.starttime),
+        uid: plan.uid,
+        cgroup: cgroup.as_ref().map(|c| c.path.clone()),
+        members: Vec::new(),
+    };
+    write_record(&plan.state_dir, &record);
+    let members = Members {
+        host,
+        leader: pid,
+        uid: plan.uid,
+        cgroup: cgroup.as_ref(),
+    };
+    let result = supervise(
+        &members,
+        &spawned.outputs,
+        &plan,
+        &mut record,
+        started,
+        cancel,
+    )
+    .await;
+    members.finish_off(plan.kill_grace).await;
+    if let Some(cg) = &cgroup {
+        for _ in 0..50 {
+            match std::fs::remove_dir(&cg.path) {
+                Ok(()) => break,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+    let _ = std::fs::remove_file(record_path(&plan.state_dir, pid));
+    result
+}
+
+async fn supervise(
+    members: &Members<'_>,
+    outputs: &[OwnedFd],
+    plan: &LaunchPlan,
+    record: &mut Record,
+    started: Instant,
     cancel: CancellationToken,
 ) -> (Outcome, Usage) {
+    let pid = members.leader;
     let mut waiter = tokio::task::spawn_blocking(move || wait_child(pid));
-    let deadline = tokio::time::Instant::from_std(started + walltime);
-    let stop = tokio::select! {
-        r = &mut waiter => return finish(pid, started, r, None),
-        _ = tokio::time::sleep_until(deadline) => Stop::Walltime,
-        _ = cancel.cancelled() => Stop::Cancelled,
+    let deadline = tokio::time::Instant::from_std(started + plan.walltime);
+    let mut tick = tokio::time::interval(TICK);
+    let stop = loop {
+        tokio::select! {
+            r = &mut waiter => {
+                let over = output_over(outputs, plan.max_output_bytes);
+                return finish(pid, started, r, over.then_some(Stop::OutputLimit));
+            }
+            _ = tokio::time::sleep_until(deadline) => break Stop::Walltime,
+            _ = cancel.cancelled() => break Stop::Cancelled,
+            _ = tick.tick() => {
+                sweep_zombies(members.host.agent_pid);
+                if members.cgroup.is_none() {
+                    remember_members(members, record, &plan.state_dir);
+                }
+                if output_over(outputs, plan.max_output_bytes) {
+                    break Stop::OutputLimit;
+                }
+            }
+        }
     };
-    info!(pid = pid.as_raw(), reason = ?stop, "stopping job: SIGTERM to its process group");
-    signal_group(pid, Signal::SIGTERM);
+    info!(pid = pid.as_raw(), reason = ?stop, "stopping job: SIGTERM to all its processes");
+    members.signal(Signal::SIGTERM, true);
     let r = tokio::select! {
         r = &mut waiter => r,
-        _ = tokio::time::sleep(grace) => {
+        _ = tokio::time::sleep(plan.kill_grace) => {
             info!(pid = pid.as_raw(), "job still running after the grace period: SIGKILL");
-            signal_group(pid, Signal::SIGKILL);
+            members.signal(Signal::SIGKILL, true);
             waiter.await
         }
     };
@@ -66,8 +780,6 @@ fn finish(
     r: Result<std::io::Result<Reaped>, tokio::task::JoinError>,
     stop: Option<Stop>,
 ) -> (Outcome, Usage) {
-    // Leftover background processes of the job die with it, as in PBS.
-    signal_group(pid, Signal::SIGKILL);
     let wall = started.elapsed().as_secs_f64();
     let reaped = match r {
         Ok(Ok(reaped)) => reaped,
@@ -103,6 +815,7 @@ fn finish(
     let outcome = match (stop, reaped.code, reaped.signal) {
         (Some(Stop::Walltime), _, _) => Outcome::Walltime,
         (Some(Stop::Cancelled), _, _) => Outcome::Cancelled,
+        (Some(Stop::OutputLimit), _, _) => Outcome::OutputLimit,
         (None, Some(code), _) => Outcome::Exited { code },
         (None, None, Some(signal)) => Outcome::Signaled { signal },
         (None, None, None) => Outcome::FailedToStart {
@@ -110,4 +823,48 @@ fn finish(
         },
     };
     (outcome, usage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn our_own_stat_line_parses() {
+        let me = std::process::id() as i32;
+        let st = proc_stat(me).expect("own stat");
+        assert_ne!(st.state, 'Z');
+        assert_eq!(st.ppid, nix::unistd::getppid().as_raw());
+        assert!(st.starttime > 0);
+        assert_eq!(proc_uid(me), Some(nix::unistd::getuid().as_raw()));
+    }
+
+    #[test]
+    fn an_output_fd_over_the_cap_is_detected() {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[b'x'; 100]).unwrap();
+        let fds = vec![OwnedFd::from(f)];
+        assert!(output_over(&fds, 99));
+        assert!(!output_over(&fds, 100));
+        assert!(!output_over(&fds, 0), "0 disables the cap");
+    }
+
+    #[test]
+    fn records_round_trip_and_recovery_removes_stale_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("running")).unwrap();
+        let rec = Record {
+            job_id: "1-x".into(),
+            pid: 999_999_999,
+            starttime: 1,
+            uid: 4242,
+            cgroup: None,
+            members: vec![(999_999_998, 5)],
+        };
+        write_record(dir.path(), &rec);
+        let path = record_path(dir.path(), Pid::from_raw(rec.pid));
+        assert!(path.exists());
+        recover_leftovers(&dir.path().join("running"));
+        assert!(!path.exists());
+    }
 }

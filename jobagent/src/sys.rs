@@ -2,14 +2,16 @@
 //! file-system probes. [`HostSys`] asks the real system; [`FakeSys`] is an
 //! in-memory fake that records every lookup, for unit tests of `plan`.
 //!
-//! Note on static musl builds: musl reads `/etc/passwd` and `/etc/group`
-//! (and nscd if it runs) but loads no NSS modules, so SSSD/LDAP-only users
-//! are invisible to the static agent.
+//! Static musl builds read only `/etc/passwd`, `/etc/group` and nscd, so
+//! [`HostSys`] resolves users and groups through the host's `getent`
+//! ([`crate::identity`]) to see SSSD, LDAP or extrausers users too.
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::path::Path;
 use std::sync::Mutex;
+
+use crate::error::NssError;
+use crate::identity::Nss;
 
 /// A passwd entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,51 +42,41 @@ pub trait Sys: Send + Sync {
     /// Looks up a user by name; `Ok(None)` if there is none.
     ///
     /// # Errors
-    /// The errno of a failed lookup (not "no such user").
-    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, nix::Error>;
+    /// [`NssError`] for a failed lookup (not "no such user").
+    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, NssError>;
     /// Looks up a group by name; `Ok(None)` if there is none.
     ///
     /// # Errors
-    /// The errno of a failed lookup.
-    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, nix::Error>;
-    /// All groups of `user` (supplementary plus `primary`), as `initgroups`
-    /// would set them.
+    /// [`NssError`] for a failed lookup.
+    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, NssError>;
+    /// All groups of `user`, `primary` first, then every supplementary group
+    /// from every NSS source, as `initgroups` would set them.
     ///
     /// # Errors
-    /// The errno of a failed lookup.
-    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, nix::Error>;
+    /// [`NssError`] for a failed lookup.
+    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError>;
     /// Whether `path` is a directory (following symlinks).
     fn is_dir(&self, path: &Path) -> bool;
     /// Whether `path` is a regular file (following symlinks).
     fn is_file(&self, path: &Path) -> bool;
 }
 
-/// The real host, through nix (`getpwnam_r`, `getgrnam_r`, `getgrouplist`).
+/// The real host: users and groups through [`Nss::host`] (getent, else
+/// libc), paths through `stat`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostSys;
 
 impl Sys for HostSys {
-    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, nix::Error> {
-        Ok(nix::unistd::User::from_name(name)?.map(|u| UserEntry {
-            name: u.name,
-            uid: u.uid.as_raw(),
-            gid: u.gid.as_raw(),
-            home: u.dir.to_string_lossy().into_owned(),
-            shell: u.shell.to_string_lossy().into_owned(),
-        }))
+    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, NssError> {
+        Nss::host().user(name)
     }
 
-    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, nix::Error> {
-        Ok(nix::unistd::Group::from_name(name)?.map(|g| GroupEntry {
-            name: g.name,
-            gid: g.gid.as_raw(),
-        }))
+    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, NssError> {
+        Nss::host().group(name)
     }
 
-    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, nix::Error> {
-        let name = CString::new(user).map_err(|_| nix::Error::EINVAL)?;
-        let groups = nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(primary))?;
-        Ok(groups.into_iter().map(|g| g.as_raw()).collect())
+    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
+        Nss::host().group_list(user, primary)
     }
 
     fn is_dir(&self, path: &Path) -> bool {
@@ -167,17 +159,17 @@ impl FakeSys {
 }
 
 impl Sys for FakeSys {
-    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, nix::Error> {
+    fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, NssError> {
         self.record(format!("user_by_name({name})"));
         Ok(self.users.get(name).cloned())
     }
 
-    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, nix::Error> {
+    fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, NssError> {
         self.record(format!("group_by_name({name})"));
         Ok(self.groups.get(name).map(|(g, _)| g.clone()))
     }
 
-    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, nix::Error> {
+    fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
         self.record(format!("group_list({user},{primary})"));
         let mut out = vec![primary];
         for (g, members) in self.groups.values() {

@@ -699,3 +699,142 @@ pub fn close_broker_connections(needle: &str) -> anyhow::Result<usize> {
     }
     Ok(closed)
 }
+
+/// Writes the config and identity files of an agent into `dir` (kept
+/// across restarts: same state directory, same identity) with broker `url`,
+/// and starts `jobagent` on them. See [`start_agent`].
+///
+/// # Errors
+/// If the binary cannot be built or started.
+pub fn start_agent_in(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    agent_id: &str,
+    extra_toml: &str,
+    dir: &Path,
+) -> anyhow::Result<ChildGuard> {
+    let bin = build_bin("vq-jobagent", "jobagent")?;
+    let config = dir.join("jobagent.toml");
+    std::fs::write(
+        &config,
+        format!("heartbeat_secs = 0.5\n{extra_toml}\n[broker]\nurl = \"{url}\"\n"),
+    )?;
+    let identity = dir.join("identity.toml");
+    std::fs::write(
+        &identity,
+        format!("cluster = \"{cluster}\"\npool = \"{pool}\"\nagent_id = \"{agent_id}\"\n"),
+    )?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--identity")
+        .arg(&identity)
+        .arg("--state-dir")
+        .arg(dir.join("state"));
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("VQ_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+    );
+    ChildGuard::spawn(cmd)
+}
+
+/// [`start_agent`] against the broker at `url` (e.g. a private
+/// [`crate::rabbit_node::RabbitNode`]).
+///
+/// # Errors
+/// If the binary cannot be built or started.
+pub fn start_agent_url(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    agent_id: &str,
+    extra_toml: &str,
+) -> anyhow::Result<AgentProcess> {
+    let dir = tempfile::tempdir()?;
+    let guard = start_agent_in(url, cluster, pool, agent_id, extra_toml, dir.path())?;
+    Ok(AgentProcess {
+        guard,
+        agent_id: agent_id.into(),
+        dir,
+    })
+}
+
+impl TestBroker {
+    /// [`TestBroker::connect`] to the broker at `url`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn connect_url(url: &str, cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
+        let cfg = BrokerConfig {
+            url: url.into(),
+            ..Default::default()
+        };
+        let conn = vq_common::amqp::connect(&cfg, "vq-tests").await?;
+        let ch = confirm_channel(&conn).await?;
+        let topo = Topology::new(cluster);
+        declare_topology(&ch, &topo, pools.iter().copied()).await?;
+        Ok(TestBroker {
+            conn,
+            ch,
+            topo,
+            pools: pools.iter().map(|p| p.to_string()).collect(),
+        })
+    }
+
+    /// Declares the durable queue `name` bound to the events exchange for
+    /// `job.#` and `agent.#` (unlike [`TestBroker::tap_events`] it keeps
+    /// events across broker restarts and test reconnects); read it with
+    /// [`TestBroker::drain_queue`].
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn durable_tap(&self, name: &str) -> anyhow::Result<()> {
+        self.ch
+            .queue_declare(
+                name.into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        for key in [ALL_JOB_EVENTS, ALL_AGENT_EVENTS] {
+            self.ch
+                .queue_bind(
+                    name.into(),
+                    self.topo.events_exchange().as_str().into(),
+                    key.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Takes every message now in `queue` (acking them): (routing key, JSON
+    /// body).
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn drain_queue(&self, queue: &str) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await?
+        {
+            let d = m.delivery;
+            let v = serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
+            out.push((d.routing_key.to_string(), v));
+        }
+        Ok(out)
+    }
+}

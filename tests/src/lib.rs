@@ -4,3 +4,4 @@
 
 pub mod cloudsim;
 pub mod harness;
+pub mod rabbit_node;

@@ -7,14 +7,62 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use vq_controller::cli::{self, error::EXIT_OTHER, error::EXIT_USAGE, Cli};
+
+/// `--version`: the package version and the git commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("VQ_GIT_COMMIT"),
+    ")"
+);
+
+/// Packaging hooks, hidden and only as the first argument (the CLI requires
+/// a subcommand, so they cannot be ordinary flags): `vq --completions SHELL`
+/// prints a completion script, `vq --generate-man DIR` writes `vq.1` and a
+/// `vq-<command>.1` per command. Both are rendered from the CLI definition.
+fn packaging_output() -> Option<ExitCode> {
+    let mut args = std::env::args_os().skip(1);
+    let flag = args.next()?;
+    let value = args.next();
+    let cmd = || Cli::command().version(VERSION);
+    let result = match (flag.to_str()?, value) {
+        ("--completions", Some(shell)) => {
+            let shell = shell
+                .to_str()
+                .and_then(|s| s.parse::<clap_complete::Shell>().ok());
+            let Some(shell) = shell else {
+                eprintln!("vq: --completions takes bash, elvish, fish, powershell or zsh");
+                return Some(ExitCode::from(EXIT_USAGE as u8));
+            };
+            clap_complete::generate(shell, &mut cmd(), "vq", &mut std::io::stdout());
+            Ok(())
+        }
+        ("--generate-man", Some(dir)) => clap_mangen::generate_to(cmd(), &dir),
+        _ => return None,
+    };
+    Some(match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vq: cannot write the man pages: {e}");
+            ExitCode::from(EXIT_OTHER as u8)
+        }
+    })
+}
 
 fn main() -> ExitCode {
     // reqwest and lapin use rustls; select ring before any TLS is set up.
     let _ = rustls::crypto::ring::default_provider().install_default();
 
-    let cli = match Cli::try_parse() {
+    if let Some(code) = packaging_output() {
+        return code;
+    }
+    let parsed = Cli::command()
+        .version(VERSION)
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();

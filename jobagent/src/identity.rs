@@ -1,0 +1,377 @@
+//! Owner and group resolution through the host's NSS, from a static binary.
+//!
+//! musl (the static agent's libc) reads only `/etc/passwd`, `/etc/group`
+//! and nscd; it loads no NSS modules, so users that exist only in SSSD,
+//! LDAP, `extrausers` or systemd-userdb would be invisible. The agent
+//! therefore asks the host's own `getent` (glibc's, which loads the modules
+//! configured in `/etc/nsswitch.conf`), exec'd by the agent as root before
+//! the job's fork, with an empty environment, stdin `/dev/null`, stderr
+//! discarded, `--` before the key, and a timeout ([`GETENT_TIMEOUT`]).
+//! Three databases are used: `passwd NAME`, `group NAME` and
+//! `initgroups NAME` (the supplementary groups `initgroups(3)` would set,
+//! from every source; the primary group is added by the caller).
+//!
+//! Only when no getent exists on the host (e.g. a minimal container) does
+//! the agent fall back to libc (`getpwnam_r`, `getgrnam_r`,
+//! `getgrouplist`), which for a musl build means files and nscd only.
+//!
+//! Hostile keys: names that are empty, start with `-`, or contain `:`, NUL,
+//! `/` or whitespace are refused before exec. getent treats an all-digit key
+//! as a uid/gid, so an answer whose name differs from the key is treated as
+//! "no such entry" (owner `"0"` never resolves to root).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::NssError;
+use crate::sys::{GroupEntry, UserEntry};
+
+/// Where getent is looked for, in order.
+pub const GETENT_PATHS: [&str; 2] = ["/usr/bin/getent", "/bin/getent"];
+
+/// Longest wait for one getent answer (a slow LDAP server must not hang a
+/// slot forever; the job is refused with the reason instead).
+pub const GETENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Exit status of getent for "key not found".
+const GETENT_NOT_FOUND: i32 = 2;
+
+/// A resolver: getent when available, else libc.
+#[derive(Debug, Clone)]
+pub struct Nss {
+    getent: Option<PathBuf>,
+    timeout: Duration,
+}
+
+impl Nss {
+    /// The host's resolver: the first of [`GETENT_PATHS`] that is a file,
+    /// else libc.
+    pub fn host() -> Self {
+        Nss {
+            getent: GETENT_PATHS.iter().map(PathBuf::from).find(|p| p.is_file()),
+            timeout: GETENT_TIMEOUT,
+        }
+    }
+
+    /// A resolver using `getent` (or libc when `None`) with `timeout`.
+    pub fn new(getent: Option<PathBuf>, timeout: Duration) -> Self {
+        Nss { getent, timeout }
+    }
+
+    /// The getent in use, if any.
+    pub fn getent(&self) -> Option<&Path> {
+        self.getent.as_deref()
+    }
+
+    /// Looks up user `name`; `Ok(None)` if it does not exist.
+    ///
+    /// # Errors
+    /// [`NssError`] if the lookup itself fails or the name is unusable.
+    pub fn user(&self, name: &str) -> Result<Option<UserEntry>, NssError> {
+        check_name(name)?;
+        let Some(getent) = &self.getent else {
+            return libc_user(name);
+        };
+        let Some(out) = run_getent(getent, "passwd", name, self.timeout)? else {
+            return Ok(None);
+        };
+        let line = first_line(&out);
+        let entry = parse_passwd(line)?;
+        Ok((entry.name == name).then_some(entry))
+    }
+
+    /// Looks up group `name`; `Ok(None)` if it does not exist.
+    ///
+    /// # Errors
+    /// [`NssError`] if the lookup itself fails or the name is unusable.
+    pub fn group(&self, name: &str) -> Result<Option<GroupEntry>, NssError> {
+        check_name(name)?;
+        let Some(getent) = &self.getent else {
+            return libc_group(name);
+        };
+        let Some(out) = run_getent(getent, "group", name, self.timeout)? else {
+            return Ok(None);
+        };
+        let entry = parse_group(first_line(&out))?;
+        Ok((entry.name == name).then_some(entry))
+    }
+
+    /// All groups of `user`: `primary` first, then every supplementary
+    /// group from every NSS source, without duplicates.
+    ///
+    /// # Errors
+    /// [`NssError`] if the lookup fails.
+    pub fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
+        check_name(user)?;
+        let Some(getent) = &self.getent else {
+            return libc_group_list(user, primary);
+        };
+        let out = run_getent(getent, "initgroups", user, self.timeout)?.unwrap_or_default();
+        let mut groups = vec![primary];
+        for gid in parse_initgroups(&out)? {
+            if !groups.contains(&gid) {
+                groups.push(gid);
+            }
+        }
+        Ok(groups)
+    }
+}
+
+fn check_name(name: &str) -> Result<(), NssError> {
+    if name.is_empty()
+        || name.starts_with('-')
+        || name.len() > 256
+        || name
+            .chars()
+            .any(|c| c == ':' || c == '/' || c.is_whitespace() || c.is_control())
+    {
+        return Err(NssError::BadName { name: name.into() });
+    }
+    Ok(())
+}
+
+fn first_line(out: &[u8]) -> &[u8] {
+    out.split(|b| *b == b'\n').next().unwrap_or_default()
+}
+
+/// Runs `getent DATABASE -- KEY`; `Ok(None)` for "not found".
+fn run_getent(
+    getent: &Path,
+    database: &'static str,
+    key: &str,
+    timeout: Duration,
+) -> Result<Option<Vec<u8>>, NssError> {
+    let exec_err = |source| NssError::Exec {
+        getent: getent.display().to_string(),
+        source,
+    };
+    let mut child = Command::new(getent)
+        .args([database, "--", key])
+        .env_clear()
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(exec_err)?;
+    let mut stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| exec_err(std::io::Error::other("getent stdout pipe missing")))?;
+    // Read on a helper thread so a full pipe cannot block the timeout.
+    let reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        // 1 MiB is far more than any passwd/group/initgroups answer.
+        let _ = (&mut stdout).take(1 << 20).read_to_end(&mut buf);
+        buf
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait().map_err(exec_err)? {
+            Some(st) => break st,
+            None if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(NssError::Timeout {
+                    getent: getent.display().to_string(),
+                    database,
+                    secs: timeout.as_secs(),
+                });
+            }
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    let out = reader.join().unwrap_or_default();
+    match status.code() {
+        Some(0) => Ok(Some(out)),
+        Some(GETENT_NOT_FOUND) => Ok(None),
+        code => Err(NssError::Status {
+            getent: getent.display().to_string(),
+            database,
+            status: code.unwrap_or_else(|| {
+                -std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0)
+            }),
+        }),
+    }
+}
+
+fn field_u32(database: &'static str, line: &[u8], s: &str) -> Result<u32, NssError> {
+    s.parse().map_err(|_| NssError::Parse {
+        database,
+        line: String::from_utf8_lossy(line).into_owned(),
+    })
+}
+
+/// Parses one `passwd` line `name:pw:uid:gid:gecos:home:shell`.
+///
+/// # Errors
+/// [`NssError::Parse`] for a line without 7 fields, with a non-numeric
+/// uid/gid, or that is not UTF-8.
+pub fn parse_passwd(line: &[u8]) -> Result<UserEntry, NssError> {
+    let bad = || NssError::Parse {
+        database: "passwd",
+        line: String::from_utf8_lossy(line).into_owned(),
+    };
+    let text = std::str::from_utf8(line).map_err(|_| bad())?;
+    let f: Vec<&str> = text.split(':').collect();
+    if f.len() != 7 || f[0].is_empty() {
+        return Err(bad());
+    }
+    Ok(UserEntry {
+        name: f[0].into(),
+        uid: field_u32("passwd", line, f[2])?,
+        gid: field_u32("passwd", line, f[3])?,
+        home: f[5].into(),
+        shell: f[6].into(),
+    })
+}
+
+/// Parses one `group` line `name:pw:gid:members`.
+///
+/// # Errors
+/// [`NssError::Parse`] for a malformed line.
+pub fn parse_group(line: &[u8]) -> Result<GroupEntry, NssError> {
+    let bad = || NssError::Parse {
+        database: "group",
+        line: String::from_utf8_lossy(line).into_owned(),
+    };
+    let text = std::str::from_utf8(line).map_err(|_| bad())?;
+    let f: Vec<&str> = text.split(':').collect();
+    if f.len() != 4 || f[0].is_empty() {
+        return Err(bad());
+    }
+    Ok(GroupEntry {
+        name: f[0].into(),
+        gid: field_u32("group", line, f[2])?,
+    })
+}
+
+/// Parses `getent initgroups` output: `name gid gid …` (whitespace
+/// separated; the name may be followed by no gid at all).
+///
+/// # Errors
+/// [`NssError::Parse`] for a non-numeric gid.
+pub fn parse_initgroups(out: &[u8]) -> Result<Vec<u32>, NssError> {
+    let line = first_line(out);
+    let text = String::from_utf8_lossy(line);
+    text.split_whitespace()
+        .skip(1)
+        .map(|g| field_u32("initgroups", line, g))
+        .collect()
+}
+
+fn libc_user(name: &str) -> Result<Option<UserEntry>, NssError> {
+    Ok(nix::unistd::User::from_name(name)
+        .map_err(NssError::Libc)?
+        .map(|u| UserEntry {
+            name: u.name,
+            uid: u.uid.as_raw(),
+            gid: u.gid.as_raw(),
+            home: u.dir.to_string_lossy().into_owned(),
+            shell: u.shell.to_string_lossy().into_owned(),
+        }))
+}
+
+fn libc_group(name: &str) -> Result<Option<GroupEntry>, NssError> {
+    Ok(nix::unistd::Group::from_name(name)
+        .map_err(NssError::Libc)?
+        .map(|g| GroupEntry {
+            name: g.name,
+            gid: g.gid.as_raw(),
+        }))
+}
+
+fn libc_group_list(user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
+    let name = std::ffi::CString::new(user).map_err(|_| NssError::BadName { name: user.into() })?;
+    let list = nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(primary))
+        .map_err(NssError::Libc)?;
+    let mut groups = vec![primary];
+    for g in list {
+        if !groups.contains(&g.as_raw()) {
+            groups.push(g.as_raw());
+        }
+    }
+    Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwd_group_and_initgroups_lines_parse() {
+        let u = parse_passwd(b"alice:x:2001:2001:Alice,,,:/home/alice:/bin/bash").unwrap();
+        assert_eq!(
+            (
+                u.name.as_str(),
+                u.uid,
+                u.gid,
+                u.home.as_str(),
+                u.shell.as_str()
+            ),
+            ("alice", 2001, 2001, "/home/alice", "/bin/bash")
+        );
+        let g = parse_group(b"physics:x:3000:alice,bob").unwrap();
+        assert_eq!((g.name.as_str(), g.gid), ("physics", 3000));
+        assert_eq!(
+            parse_initgroups(b"alice                3000 3001\n").unwrap(),
+            vec![3000, 3001]
+        );
+        assert_eq!(parse_initgroups(b"alice   \n").unwrap(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn malformed_entries_are_errors_not_panics() {
+        for bad in [
+            &b"alice:x:notanumber:1:g:/h:/bin/sh"[..],
+            b"alice:x:1:1",
+            b"",
+            b"a:x:1:1:g:/h:/bin/sh:extra",
+            b"\xff\xfe:x:1:1:g:/h:/s",
+        ] {
+            assert!(parse_passwd(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_group(b"g:x:-1:").is_err());
+        assert!(parse_initgroups(b"alice 12 x").is_err());
+    }
+
+    #[test]
+    fn hostile_names_are_refused_before_any_exec() {
+        let nss = Nss::new(Some(PathBuf::from("/nonexistent/getent")), GETENT_TIMEOUT);
+        for name in ["", "-s", "--help", "a:b", "a b", "a\nroot", "a/b", "a\0b"] {
+            assert!(
+                matches!(nss.user(name), Err(NssError::BadName { .. })),
+                "{name:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_numeric_key_does_not_resolve_to_another_user() {
+        if !Path::new("/usr/bin/getent").is_file() {
+            return;
+        }
+        let nss = Nss::new(Some("/usr/bin/getent".into()), GETENT_TIMEOUT);
+        // getent passwd 0 answers root; the agent must not accept it for
+        // owner "0".
+        assert_eq!(nss.user("0").unwrap(), None);
+        assert_eq!(nss.group("0").unwrap(), None);
+        assert_eq!(nss.user("root").unwrap().unwrap().uid, 0);
+        assert_eq!(nss.user("vq-no-such-user-x").unwrap(), None);
+    }
+
+    #[test]
+    fn a_hanging_getent_times_out_with_a_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("getent");
+        std::fs::write(&fake, "#!/bin/sh\nexec sleep 30\n").unwrap();
+        std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let nss = Nss::new(Some(fake), Duration::from_millis(300));
+        let t = Instant::now();
+        assert!(matches!(nss.user("alice"), Err(NssError::Timeout { .. })));
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+}

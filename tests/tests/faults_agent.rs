@@ -1,0 +1,330 @@
+//! Agent faults against the shared broker, with the production jobagent
+//! (and controller) binaries:
+//!
+//! * a poison job whose agent is SIGKILLed (with the job) every time it
+//!   starts is run again by the restarted agent (lease recovery) until the
+//!   loss limit, then reported failed and dead-lettered with the reason;
+//! * an agent SIGKILLed mid-job is fenced by the controller (judged dead on
+//!   its own receive times): a rerunnable job runs again on another agent
+//!   and finishes once; a non-rerunnable one is reported failed
+//!   "node lost" and dead-lettered;
+//! * ask-delete sent at random moments around a job's delivery never gets
+//!   "yes" from an agent that took the job, and the job is never lost.
+//!
+//! Root only: `cargo test -p vq-tests --test faults_agent -- --include-ignored`.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::ensure;
+use nix::sys::signal::Signal;
+use vq_common::messages::Control;
+use vq_tests::cloudsim::{Sim, SimConfig};
+use vq_tests::harness::{
+    broker_url, build_bin, ensure_test_user, job, require_root, start_agent_in, start_agent_url,
+    unique_cluster, wait_agent_up, ChildGuard, EventTap, TestBroker, TestUser,
+};
+
+const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A script that records its process group id and sleeps.
+fn pid_script(user: &TestUser, name: &str, secs: u32) -> (String, std::path::PathBuf) {
+    let pidfile = user.home.join(format!("{name}.pid"));
+    let _ = std::fs::remove_file(&pidfile);
+    (
+        format!("echo $$ > {}\nsleep {secs}\necho done\n", pidfile.display()),
+        pidfile,
+    )
+}
+
+/// Waits for the pid file and SIGKILLs that process group (the job), as
+/// the death of its VM would.
+async fn kill_job(pidfile: &std::path::Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(pidfile) {
+            if let Ok(pid) = text.trim().parse::<i32>() {
+                let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = std::fs::remove_file(pidfile);
+                return Ok(());
+            }
+        }
+        ensure!(Instant::now() < deadline, "no pid file {}", pidfile.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn count(tap: &EventTap, job_id: &str, word: &str) -> usize {
+    tap.seen
+        .iter()
+        .filter(|(k, v)| k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
+        .count()
+}
+
+/// Waits for the `n`-th event `word` of `job_id`.
+async fn nth_event(tap: &mut EventTap, job_id: &str, word: &str, n: usize) -> anyhow::Result<serde_json::Value> {
+    let what = format!("{word} #{n} of {job_id}");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let found: Vec<serde_json::Value> = tap
+            .seen
+            .iter()
+            .filter(|(k, v)| k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
+            .map(|(_, v)| v.clone())
+            .collect();
+        if found.len() >= n {
+            return Ok(found[n - 1].clone());
+        }
+        ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        // Any new event (heartbeats arrive every 0.5 s) wakes us.
+        let _ = tap
+            .wait_for(Duration::from_millis(600), &what, |_, _| false)
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limit() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "poison";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-p1");
+    let dir = tempfile::tempdir()?;
+    let url = broker_url();
+    let mut agent = start_agent_in(&url, &cluster, pool, &agent_id, TRUST_GUEST, dir.path())?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+    let (script, pidfile) = pid_script(&alice, "poison", 30);
+    let j = job(pool, &alice.name, "poison", &script);
+    broker.publish_job(&j, Some("guest")).await?;
+    let limit = vq_common::topology::DEFAULT_LOSS_LIMIT as usize;
+    for run in 1..=limit {
+        nth_event(&mut tap, &j.id, "started", run).await?;
+        // The job "kills its node": agent and job die together.
+        agent.signal(Signal::SIGKILL);
+        agent.wait_timeout(Duration::from_secs(5));
+        kill_job(&pidfile).await?;
+        drop(agent);
+        agent = start_agent_in(&url, &cluster, pool, &agent_id, TRUST_GUEST, dir.path())?;
+    }
+    let failed = tap.job_event(&j.id, "failed", WAIT).await?;
+    let reason = failed["reason"].as_str().unwrap_or_default().to_string();
+    ensure!(reason.contains(&format!("{limit} times")), "reason: {reason}");
+    // The agent is fine and takes the next job.
+    let ok = job(pool, &alice.name, "afterpoison", "true");
+    broker.publish_job(&ok, Some("guest")).await?;
+    tap.job_event(&ok.id, "finished", WAIT).await?;
+    ensure!(count(&tap, &j.id, "started") == limit, "started {} times", count(&tap, &j.id, "started"));
+    ensure!(count(&tap, &j.id, "finished") == 0);
+    ensure!(count(&tap, &j.id, "failed") == 1);
+    let dead = broker.take_dead().await?;
+    ensure!(dead.len() == 1, "dead letters: {dead:#?}");
+    ensure!(dead[0].headers["x-vq-reason"].contains("times"), "{:?}", dead[0].headers);
+    ensure!(dead[0].headers["x-vq-losses"].contains(&limit.to_string()), "{:?}", dead[0].headers);
+    ensure!(broker.queue_len(&broker.topo.lease_queue(&agent_id)).await? == 0, "lease left");
+    ensure!(broker.queue_len(&broker.topo.pool_queue(pool)).await? == 0, "job left in the pool");
+    eprintln!("faults_agent poison: {limit} losses, then dead-lettered: {reason}");
+    for ext in ["o", "e"] {
+        let _ = std::fs::remove_file(alice.home.join(format!("poison.{ext}{}", j.seq())));
+        let _ = std::fs::remove_file(alice.home.join(format!("afterpoison.{ext}{}", ok.seq())));
+    }
+    drop(agent);
+    broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "fence";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let url = broker_url();
+
+    // The controller runs against an empty test cloud (max 0: it boots
+    // nothing); the agents are started here, so they are fenced as agents
+    // without a server once their heartbeats stop.
+    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
+    let controller_bin = build_bin("vq-controller", "vq-controller")?;
+    let tmp = tempfile::tempdir()?;
+    let agent_cfg = tmp.path().join("jobagent.toml");
+    std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
+    let sim = Sim::start(SimConfig::new(tmp.path().join("sim"), &agent_bin, &agent_cfg)).await?;
+    let controller_cfg = tmp.path().join("controller.toml");
+    std::fs::write(
+        &controller_cfg,
+        format!(
+            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
+             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
+        ),
+    )?;
+    let mut cmd = Command::new(&controller_bin);
+    cmd.arg("--config")
+        .arg(&controller_cfg)
+        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
+        .env("OS_CLOUD", "cloudsim")
+        .env(
+            "RUST_LOG",
+            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "info".into()),
+        );
+    let _controller = ChildGuard::spawn(cmd)?;
+
+    // Rerunnable: runs again elsewhere after its agent died.
+    let a1 = format!("{cluster}-f1");
+    let mut agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
+    wait_agent_up(&mut tap, &a1).await?;
+    let (script, pidfile) = pid_script(&alice, "fence-r", 3);
+    let r = job(pool, &alice.name, "fence-r", &script);
+    broker.publish_job(&r, Some("guest")).await?;
+    let s1 = tap.job_event(&r.id, "started", WAIT).await?;
+    ensure!(s1["agent"] == a1.as_str(), "{s1}");
+    agent1.guard.signal(Signal::SIGKILL);
+    kill_job(&pidfile).await?;
+    let t_killed = Instant::now();
+    let a2 = format!("{cluster}-f2");
+    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
+    let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
+    ensure!(s2["agent"] == a2.as_str(), "second run on the new agent: {s2}");
+    let requeue_secs = t_killed.elapsed().as_secs_f64();
+    let fin = tap.job_event(&r.id, "finished", WAIT).await?;
+    ensure!(fin["outcome"]["code"] == 0 && fin["agent"] == a2.as_str(), "{fin}");
+
+    // Non-rerunnable: reported failed "node lost", never started again.
+    let (script, pidfile) = pid_script(&alice, "fence-n", 30);
+    let mut n = job(pool, &alice.name, "fence-n", &script);
+    n.rerunnable = false;
+    let a3 = format!("{cluster}-f3");
+    drop(_agent2);
+    let mut agent3 = start_agent_url(&url, &cluster, pool, &a3, TRUST_GUEST)?;
+    wait_agent_up(&mut tap, &a3).await?;
+    broker.publish_job(&n, Some("guest")).await?;
+    let s = tap.job_event(&n.id, "started", WAIT).await?;
+    ensure!(s["agent"] == a3.as_str(), "{s}");
+    agent3.guard.signal(Signal::SIGKILL);
+    kill_job(&pidfile).await?;
+    let failed = tap.job_event(&n.id, "failed", WAIT).await?;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    ensure!(reason.contains("node lost") && reason.contains("not rerunnable"), "{reason}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = tap.wait_for(Duration::from_millis(500), "late events", |_, _| false).await;
+
+    ensure!(count(&tap, &r.id, "started") == 2 && count(&tap, &r.id, "finished") == 1 && count(&tap, &r.id, "failed") == 0,
+        "rerunnable job: started {} finished {} failed {}", count(&tap, &r.id, "started"), count(&tap, &r.id, "finished"), count(&tap, &r.id, "failed"));
+    ensure!(count(&tap, &n.id, "started") == 1 && count(&tap, &n.id, "finished") == 0 && count(&tap, &n.id, "failed") == 1,
+        "non-rerunnable job: started {} finished {} failed {}", count(&tap, &n.id, "started"), count(&tap, &n.id, "finished"), count(&tap, &n.id, "failed"));
+    let dead = broker.take_dead().await?;
+    ensure!(
+        dead.len() == 1 && dead[0].message_id.as_deref() == Some(n.id.as_str()),
+        "dead letters: {dead:#?}"
+    );
+    for a in [&a1, &a3] {
+        // The fenced agents' lease queues are deleted.
+        let gone = broker.queue_len(&broker.topo.lease_queue(a)).await.is_err();
+        ensure!(gone, "lease queue of {a} still exists");
+    }
+    eprintln!("faults_agent fence: rerunnable job ran again {requeue_secs:.1} s after its agent was killed; non-rerunnable failed: {reason}");
+    for name in ["fence-r", "fence-n"] {
+        for ext in ["o", "e"] {
+            let seq = if name == "fence-r" { r.seq() } else { n.seq() };
+            let _ = std::fs::remove_file(alice.home.join(format!("{name}.{ext}{seq}")));
+        }
+    }
+    sim.shutdown().await;
+    broker.cleanup().await;
+    Ok(())
+}
+
+/// Ask-delete trials.
+const ASK_TRIALS: usize = 12;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "race";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let url = broker_url();
+    let (mut yes, mut no) = (0, 0);
+    for trial in 0..ASK_TRIALS {
+        let agent_id = format!("{cluster}-r{trial}");
+        let agent = start_agent_url(&url, &cluster, pool, &agent_id, TRUST_GUEST)?;
+        wait_agent_up(&mut tap, &agent_id).await?;
+        let j = job(pool, &alice.name, &format!("race{trial}"), "true");
+        let request_id = format!("req-{trial}");
+        let ask = Control::AskDelete {
+            request_id: request_id.clone(),
+        };
+        let delay = Duration::from_millis(rand::random_range(0..40));
+        if trial % 2 == 0 {
+            broker.publish_job(&j, Some("guest")).await?;
+            tokio::time::sleep(delay).await;
+            broker.publish_control(&agent_id, &ask).await?;
+        } else {
+            broker.publish_control(&agent_id, &ask).await?;
+            tokio::time::sleep(delay).await;
+            broker.publish_job(&j, Some("guest")).await?;
+        }
+        let answer = tap
+            .wait_for(WAIT, "delete answer", |k, v| {
+                k.ends_with(".answer") && v["request_id"] == request_id.as_str()
+            })
+            .await?;
+        ensure!(answer["agent"] == agent_id.as_str(), "answer from another agent: {answer}");
+        // Let a wrongly taken job show itself.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let _ = tap.wait_for(Duration::from_millis(300), "late events", |_, _| false).await;
+        let started_here = tap.seen.iter().any(|(k, v)| {
+            k.ends_with(".started") && v["job_id"] == j.id.as_str() && v["agent"] == agent_id.as_str()
+        });
+        if answer["may_delete"] == true {
+            yes += 1;
+            ensure!(!started_here, "trial {trial}: the agent said yes but ran job {}", j.id);
+            ensure!(
+                answer["running"].as_array().is_some_and(|a| a.is_empty()),
+                "{answer}"
+            );
+            // Not lost: still in the pool queue.
+            let n = broker.queue_len(&broker.topo.pool_queue(pool)).await?;
+            ensure!(n == 1, "trial {trial}: job not back in the pool queue ({n})");
+            // Take it out for the next trial.
+            let got = broker
+                .ch
+                .basic_get(
+                    broker.topo.pool_queue(pool).as_str().into(),
+                    lapin::options::BasicGetOptions { no_ack: true },
+                )
+                .await?;
+            ensure!(got.is_some(), "job vanished");
+        } else {
+            no += 1;
+            ensure!(started_here, "trial {trial}: the agent said no but did not run job {}: {answer}", j.id);
+            tap.job_event(&j.id, "finished", WAIT).await?;
+        }
+        drop(agent);
+        let _ = std::fs::remove_file(alice.home.join(format!("race{trial}.o{}", j.seq())));
+        let _ = std::fs::remove_file(alice.home.join(format!("race{trial}.e{}", j.seq())));
+    }
+    eprintln!("faults_agent ask-delete race: {ASK_TRIALS} trials, {yes} yes (job stayed queued), {no} no (job ran); 0 violations");
+    if yes == 0 || no == 0 {
+        eprintln!("note: only one side of the race was hit this time");
+    }
+    broker.cleanup().await;
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! Broker faults against a private RabbitMQ node (tests/src/rabbit_node.rs)
+//! whose `consumer_timeout` is 3 s (checked every 0.5 s):
+//!
+//! * a job that runs longer than the consumer timeout runs once and
+//!   finishes (the pool delivery is acked at claim time; the job is held by
+//!   its lease);
+//! * the broker is SIGKILLed and restarted at a random moment while a job
+//!   runs, several times: the job keeps running, exactly one `started` and
+//!   one final result reach the events exchange, the agent reconnects and
+//!   takes the next job, and no lease or job is left behind.
+//!
+//! Root only: `cargo test -p vq-tests --test faults_broker -- --include-ignored`.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure};
+use futures_util::StreamExt;
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use vq_tests::harness::{ensure_test_user, job, require_root, start_agent_url, unique_cluster, TestBroker};
+use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
+
+const POOL: &str = "fb";
+const TAP: &str = "faults-broker-tap";
+const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Broker crash trials (each costs one node restart, about 8 s).
+const CRASH_TRIALS: usize = 4;
+
+/// Events collected from the durable tap.
+#[derive(Default)]
+struct Seen(Vec<(String, serde_json::Value)>);
+
+impl Seen {
+    async fn poll(&mut self, b: &TestBroker) -> anyhow::Result<()> {
+        self.0.extend(b.drain_queue(TAP).await?);
+        Ok(())
+    }
+    fn count(&self, job_id: &str, word: &str) -> usize {
+        self.0
+            .iter()
+            .filter(|(k, v)| k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
+            .count()
+    }
+    fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
+        self.0
+            .iter()
+            .filter(|(k, v)| {
+                k.starts_with("job.")
+                    && !k.ends_with(".started")
+                    && v["job_id"] == job_id
+            })
+            .map(|(_, v)| v)
+            .collect()
+    }
+    async fn wait(
+        &mut self,
+        b: &TestBroker,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Seen) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.poll(b).await?;
+            if pred(self) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let keys: Vec<String> = self
+                    .0
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("job."))
+                    .map(|(k, v)| format!("{k} {}", v["job_id"]))
+                    .collect();
+                bail!("timed out waiting for {what}; job events: {keys:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Connects and declares; after a restart, quorum queues and streams come
+/// back a moment after the node accepts connections, so this retries.
+async fn connect(node: &RabbitNode, cluster: &str) -> anyhow::Result<TestBroker> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = async {
+            let b = TestBroker::connect_url(&node.url(), cluster, &[POOL]).await?;
+            b.durable_tap(TAP).await?;
+            anyhow::Ok(b)
+        }
+        .await;
+        match r {
+            Ok(b) => return Ok(b),
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("test broker connection not ready yet: {e:#}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The node really enforces the short consumer timeout: a consumer that
+/// holds a delivery unacked loses its channel within a few seconds.
+async fn consumer_timeout_is_enforced(b: &TestBroker) -> anyhow::Result<()> {
+    let ch = b.conn.create_channel().await?;
+    ch.queue_declare(
+        "probe".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    vq_common::amqp::publish_confirmed(
+        &b.ch,
+        "",
+        "probe",
+        b"x",
+        Default::default(),
+        true,
+        Duration::from_secs(5),
+    )
+    .await?;
+    let mut c = ch
+        .basic_consume(
+            "probe".into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let _held = c.next().await;
+    let t0 = Instant::now();
+    while ch.status().connected() {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the node did not enforce consumer_timeout"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("probe: channel closed by consumer_timeout after {:?}", t0.elapsed());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let mut node = RabbitNode::start_new(NodeOptions {
+        consumer_timeout_ms: Some(3000),
+        channel_tick_ms: Some(500),
+        ..Default::default()
+    })
+    .await?;
+    let cluster = unique_cluster();
+    let mut broker = connect(&node, &cluster).await?;
+    consumer_timeout_is_enforced(&broker).await?;
+    let agent_id = format!("{cluster}-a1");
+    let _agent = start_agent_url(&node.url(), &cluster, POOL, &agent_id, TRUST_GUEST)?;
+    let mut seen = Seen::default();
+    seen.wait(&broker, "first heartbeat", Duration::from_secs(20), |s| {
+        s.0.iter().any(|(k, _)| k.ends_with(".heartbeat"))
+    })
+    .await?;
+
+    let mut jobs = Vec::new();
+    // A job three times longer than the consumer timeout.
+    let long = job(POOL, &alice.name, "long", "sleep 10\necho long-done\n");
+    broker.publish_job(&long, Some("guest")).await?;
+    seen.wait(&broker, "long job finished", Duration::from_secs(40), |s| {
+        !s.finals(&long.id).is_empty()
+    })
+    .await?;
+    jobs.push(long.clone());
+
+    // Broker crashes at random moments while a job runs.
+    let mut kill_at = Vec::new();
+    for trial in 0..CRASH_TRIALS {
+        let j = job(POOL, &alice.name, &format!("crash{trial}"), "sleep 6\necho done\n");
+        broker.publish_job(&j, Some("guest")).await?;
+        seen.wait(&broker, "job started", Duration::from_secs(30), |s| {
+            s.count(&j.id, "started") > 0
+        })
+        .await?;
+        let delay = Duration::from_millis(rand::random_range(0..4000));
+        tokio::time::sleep(delay).await;
+        kill_at.push(delay);
+        drop(broker);
+        node.kill();
+        node.start().await?;
+        broker = connect(&node, &cluster).await?;
+        seen.wait(&broker, "job finished after the crash", Duration::from_secs(60), |s| {
+            !s.finals(&j.id).is_empty()
+        })
+        .await?;
+        jobs.push(j);
+    }
+    // The agent takes a new job after the last restart.
+    let after = job(POOL, &alice.name, "after", "echo after\n");
+    broker.publish_job(&after, Some("guest")).await?;
+    seen.wait(&broker, "job after the crashes", Duration::from_secs(30), |s| {
+        !s.finals(&after.id).is_empty()
+    })
+    .await?;
+    jobs.push(after);
+    // Late duplicates would show up here.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    seen.poll(&broker).await?;
+
+    let mut report = BTreeMap::new();
+    for j in &jobs {
+        let started = seen.count(&j.id, "started");
+        let finals = seen.finals(&j.id);
+        report.insert(j.name.clone(), (started, finals.len()));
+        ensure!(started == 1, "job {} started {started} times", j.name);
+        ensure!(finals.len() == 1, "job {} has {} final results: {finals:?}", j.name, finals.len());
+        let f = finals[0];
+        ensure!(
+            f["state"] == "finished" && f["outcome"]["kind"] == "exited" && f["outcome"]["code"] == 0,
+            "job {} was interrupted or failed: {f}",
+            j.name
+        );
+        for ext in ["o", "e"] {
+            let _ = std::fs::remove_file(alice.home.join(format!("{}.{ext}{}", j.name, j.seq())));
+        }
+    }
+    ensure!(
+        broker.queue_len(&broker.topo.lease_queue(&agent_id)).await? == 0,
+        "a lease was left behind"
+    );
+    ensure!(broker.queue_len(&broker.topo.pool_queue(POOL)).await? == 0, "a job was left in the pool queue");
+    ensure!(broker.take_dead().await?.is_empty(), "a job was dead-lettered");
+    eprintln!(
+        "faults_broker: {} crash trials (kill after {kill_at:?}); per job (started, final results): {report:?}; lost 0, duplicated 0, interrupted 0",
+        CRASH_TRIALS
+    );
+    Ok(())
+}
