@@ -394,6 +394,11 @@ impl Broker {
         let confirm = Duration::from_secs(self.cfg.confirm_timeout_secs);
         let submitter = broker_user(&self.cfg.url);
         let mut report = FenceReport::default();
+        // Read every lease first (held unacked), then look up which of them
+        // already have a final result: an agent that died between
+        // publishing its result and releasing the lease must not get its
+        // job run again.
+        let mut leases = Vec::new();
         loop {
             let got = bounded("read a lease", OP_TIMEOUT, async {
                 ch.basic_get(lease.as_str().into(), BasicGetOptions { no_ack: false })
@@ -402,7 +407,36 @@ impl Broker {
             })
             .await?;
             let Some(m) = got else { break };
-            let d = m.delivery;
+            leases.push(m.delivery);
+            if leases.len() > 10_000 {
+                break;
+            }
+        }
+        let done = if leases.is_empty() {
+            std::collections::BTreeSet::new()
+        } else {
+            let since = leases
+                .iter()
+                .filter_map(|d| *d.properties.timestamp())
+                .min()
+                .unwrap_or(0);
+            let ids: std::collections::BTreeSet<String> =
+                leases.iter().filter_map(lease_job_id).collect();
+            self.final_results_since(since.saturating_sub(60), &ids)
+                .await?
+        };
+        for d in leases {
+            if let Some(id) = lease_job_id(&d).filter(|id| done.contains(id)) {
+                tracing::info!(agent, job_id = %id, "lease of a job whose result was already published: dropped");
+                bounded("ack a lease", OP_TIMEOUT, async {
+                    d.acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .map_err(op_err("ack lease"))
+                })
+                .await?;
+                continue;
+            }
             let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
             let decoded = Job::decode(&d.data);
             let job_id = match &decoded {
@@ -434,10 +468,7 @@ impl Broker {
                     report.requeued.push(job_id);
                 }
                 LeaseFate::Fail { reason } => {
-                    let pool = decoded
-                        .as_ref()
-                        .map(|j| j.pool.clone())
-                        .unwrap_or_default();
+                    let pool = decoded.as_ref().map(|j| j.pool.clone()).unwrap_or_default();
                     let props = dead_props(&d.properties, &reason, losses);
                     amqp::publish_confirmed(
                         ch,
@@ -491,8 +522,61 @@ impl Broker {
         })
         .await?;
         self.remove_fence_entries(ch, agent).await?;
-        tracing::info!(agent, requeued = report.requeued.len(), failed = report.failed.len(), "agent fenced: lease queue emptied and deleted");
+        tracing::info!(
+            agent,
+            requeued = report.requeued.len(),
+            failed = report.failed.len(),
+            "agent fenced: lease queue emptied and deleted"
+        );
         Ok(report)
+    }
+
+    /// Job ids among `ids` with a final event (`finished`, `failed`,
+    /// `cancelled`) in the job-event stream since Unix second `since`.
+    async fn final_results_since(
+        &self,
+        since: u64,
+        ids: &std::collections::BTreeSet<String>,
+    ) -> Result<std::collections::BTreeSet<String>, AmqpError> {
+        let ch = self.fresh_channel().await?;
+        let stream = self.topo.event_log_queue();
+        let mut args = FieldTable::default();
+        args.insert("x-stream-offset".into(), AMQPValue::Timestamp(since));
+        let mut consumer = bounded("read the job-event stream", OP_TIMEOUT, async {
+            ch.basic_qos(500, BasicQosOptions::default())
+                .await
+                .map_err(op_err("basic.qos (stream)"))?;
+            ch.basic_consume(
+                stream.as_str().into(),
+                "vq-controller-fence".into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await
+            .map_err(op_err("consume the job-event stream"))
+        })
+        .await?;
+        let mut found = std::collections::BTreeSet::new();
+        let started = std::time::Instant::now();
+        // A stream never ends: read until it is quiet for a moment.
+        while started.elapsed() < Duration::from_secs(60) {
+            match tokio::time::timeout(Duration::from_millis(700), consumer.next()).await {
+                Ok(Some(Ok(d))) => {
+                    if !d.routing_key.as_str().ends_with(".started") {
+                        if let Ok(ev) = JobEvent::decode(&d.data) {
+                            if ids.contains(&ev.job_id) {
+                                found.insert(ev.job_id);
+                            }
+                        }
+                    }
+                    let _ = d.acker.ack(BasicAckOptions::default()).await;
+                }
+                Ok(Some(Err(e))) => return Err(op_err("read the job-event stream")(e)),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "read".into())).await;
+        Ok(found)
     }
 
     async fn remove_fence_entries(&self, ch: &Channel, agent: &str) -> Result<(), AmqpError> {
@@ -592,6 +676,15 @@ pub fn lease_fate(job: Option<&Job>, agent: &str, losses: u32, loss_limit: u32) 
     }
 }
 
+fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
+    d.properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string())
+        .filter(|m| !m.is_empty())
+        .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
+}
+
 /// The user name in an AMQP URL, percent-decoded (`None` if it has none).
 pub fn broker_user(url: &str) -> Option<String> {
     let rest = url.split_once("://")?.1;
@@ -618,7 +711,11 @@ pub fn broker_user(url: &str) -> Option<String> {
 }
 
 fn header_u32(props: &BasicProperties, name: &str) -> u32 {
-    let Some(v) = props.headers().as_ref().and_then(|h| h.inner().get(name).cloned()) else {
+    let Some(v) = props
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(name).cloned())
+    else {
         return 0;
     };
     let n: i128 = match v {
@@ -642,12 +739,18 @@ fn with_header(props: BasicProperties, name: &str, value: u32) -> BasicPropertie
 
 fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
     let mut h = orig.headers().clone().unwrap_or_default();
-    h.insert(REASON_HEADER.into(), AMQPValue::LongString(LongString::from(reason)));
+    h.insert(
+        REASON_HEADER.into(),
+        AMQPValue::LongString(LongString::from(reason)),
+    );
     h.insert(
         DEAD_BY_HEADER.into(),
         AMQPValue::LongString(LongString::from("vq-controller")),
     );
-    h.insert(LOSSES_HEADER.into(), AMQPValue::LongLongInt(i64::from(losses)));
+    h.insert(
+        LOSSES_HEADER.into(),
+        AMQPValue::LongLongInt(i64::from(losses)),
+    );
     let mut p = BasicProperties::default()
         .with_headers(h)
         .with_delivery_mode(2);
@@ -777,13 +880,22 @@ mod tests {
             LeaseFate::Fail { reason } => assert!(reason.contains("node lost"), "{reason}"),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(lease_fate(None, "a1", 1, 3), LeaseFate::Fail { .. }));
+        assert!(matches!(
+            lease_fate(None, "a1", 1, 3),
+            LeaseFate::Fail { .. }
+        ));
     }
 
     #[test]
     fn the_broker_user_is_taken_from_the_url() {
-        assert_eq!(broker_user("amqp://vq%2Dctl:pw@h:5672/%2f").as_deref(), Some("vq-ctl"));
-        assert_eq!(broker_user("amqp://guest:guest@127.0.0.1/%2f").as_deref(), Some("guest"));
+        assert_eq!(
+            broker_user("amqp://vq%2Dctl:pw@h:5672/%2f").as_deref(),
+            Some("vq-ctl")
+        );
+        assert_eq!(
+            broker_user("amqp://guest:guest@127.0.0.1/%2f").as_deref(),
+            Some("guest")
+        );
         assert_eq!(broker_user("amqp://h/%2f"), None);
     }
 

@@ -347,7 +347,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
         }
         if !shutdown.is_cancelled() {
-            summary.fenced = self.fence_step(&servers, &events, clock.listening_secs, now).await;
+            summary.fenced = self
+                .fence_step(&servers, &events, clock.listening_secs, now)
+                .await;
         }
         summary
     }
@@ -368,6 +370,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let in_nova: std::collections::BTreeSet<&str> =
             servers.iter().map(|s| s.name.as_str()).collect();
         let timeout = self.cfg.heartbeat_timeout_secs;
+        tracing::debug!(agents = events.agents.len(), listening_secs, "fence step");
         if listening_secs >= timeout {
             for (agent, rec) in &events.agents {
                 let Some((hb, at)) = &rec.heartbeat else {

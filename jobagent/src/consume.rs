@@ -41,8 +41,8 @@ use vq_common::topology::{job_event_key, DEFAULT_LOSS_LIMIT, LOSSES_HEADER};
 use crate::error::{chain, Rejection};
 use crate::plan::{plan_job, LaunchPlan};
 use crate::report::{
-    dead_letter_properties, header_str, header_u32, job_event, lease_properties,
-    with_header_u32, SUBMITTER_HEADER,
+    dead_letter_properties, header_str, header_u32, job_event, lease_properties, with_header_u32,
+    SUBMITTER_HEADER,
 };
 use crate::Ctx;
 
@@ -127,7 +127,10 @@ impl Leases {
             let mut found = false;
             for _ in 0..limit.max(1) {
                 let Some(m) = ch
-                    .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: false })
+                    .basic_get(
+                        self.queue.as_str().into(),
+                        BasicGetOptions { no_ack: false },
+                    )
                     .await
                     .map_err(op("basic.get lease"))?
                 else {
@@ -227,14 +230,31 @@ pub(crate) async fn handle_delivery(
             Ok(job) => match plan_job(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys) {
                 Err(rej) => Some((Some(job), rej)),
                 Ok(plan) => {
-                    claim_and_run(&ctx, &delivery, &job, plan, cancel, &key, &jobs_ch, &pool_queue)
-                        .await;
+                    claim_and_run(
+                        &ctx,
+                        &delivery,
+                        &job,
+                        plan,
+                        cancel,
+                        &key,
+                        &jobs_ch,
+                        &pool_queue,
+                    )
+                    .await;
                     None
                 }
             },
         };
         if let Some((job, rej)) = refused {
-            refuse(&ctx, &delivery.data, &delivery.properties, job.as_ref(), &key, &rej).await;
+            refuse(
+                &ctx,
+                &delivery.data,
+                &delivery.properties,
+                job.as_ref(),
+                &key,
+                &rej,
+            )
+            .await;
             if let Err(e) = ack_confirmed(&delivery.acker, &jobs_ch, &pool_queue).await {
                 // The broker redelivers it; it is refused again then.
                 warn!(error = %chain(&e), "ack of a refused job not confirmed");
@@ -533,7 +553,13 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
         warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
         let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
         dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
-        let event = job_event(Some(&job), key, &pool, &ctx.agent, JobState::Failed { reason });
+        let event = job_event(
+            Some(&job),
+            key,
+            &pool,
+            &ctx.agent,
+            JobState::Failed { reason },
+        );
         let rk = job_event_key(&pool, "failed");
         ctx.publisher
             .publish_once(
@@ -556,7 +582,10 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
     let Some(cancel) = ctx.shared.claim_recovered(key) else {
         return Ok(());
     };
-    info!(losses, "leftover lease of a rerunnable job: running it again");
+    info!(
+        losses,
+        "leftover lease of a rerunnable job: running it again"
+    );
     let submitter = header_str(&d.properties, SUBMITTER_HEADER);
     let ctx2 = ctx.clone();
     let key = key.to_string();
@@ -595,8 +624,16 @@ async fn dead_letter_now_props(
 
 /// Dead-letters a duplicate delivery of a job that runs here (its lease is
 /// held here) and acks it, without a job event: the running copy reports.
-pub(crate) async fn drop_duplicate(ctx: Arc<Ctx>, delivery: Delivery, key: String, jobs_ch: Channel) {
-    let reason = format!("duplicate delivery of job {key}, which runs on agent {} already", ctx.agent);
+pub(crate) async fn drop_duplicate(
+    ctx: Arc<Ctx>,
+    delivery: Delivery,
+    key: String,
+    jobs_ch: Channel,
+) {
+    let reason = format!(
+        "duplicate delivery of job {key}, which runs on agent {} already",
+        ctx.agent
+    );
     warn!(pool = %ctx.cfg.pool, job_id = %key, "{reason}");
     dead_letter(&ctx, &delivery.data, &delivery.properties, &reason).await;
     let q = ctx.topo.pool_queue(&ctx.cfg.pool);

@@ -400,7 +400,10 @@ mod tests {
         );
         assert!(lease.user_id().is_none());
         assert!(lease.expiration().is_none());
-        assert_eq!(header_str(&lease, SUBMITTER_HEADER).as_deref(), Some("alice"));
+        assert_eq!(
+            header_str(&lease, SUBMITTER_HEADER).as_deref(),
+            Some("alice")
+        );
         assert_eq!(header_u32(&lease, "x-vq-losses"), 2);
     }
 }

@@ -258,10 +258,7 @@ impl Shared {
 
     /// Whether job `key` was stopped by [`Shared::interrupt_all`].
     pub fn take_interrupted(&self, key: &str) -> bool {
-        self.lock()
-            .jobs
-            .get(key)
-            .is_some_and(|j| j.interrupted)
+        self.lock().jobs.get(key).is_some_and(|j| j.interrupted)
     }
 
     /// Sends SIGKILL to the process group of every started job (forced

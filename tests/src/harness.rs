@@ -824,7 +824,10 @@ impl TestBroker {
     ///
     /// # Errors
     /// Broker errors.
-    pub async fn drain_queue(&self, queue: &str) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
+    pub async fn drain_queue(
+        &self,
+        queue: &str,
+    ) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
         let mut out = Vec::new();
         while let Some(m) = self
             .ch

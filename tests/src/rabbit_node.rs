@@ -150,10 +150,15 @@ impl RabbitNode {
     fn start_epmd(&mut self) -> anyhow::Result<()> {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new("epmd");
-        cmd.args(["-address", "127.0.0.1", "-port", &self.epmd_port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
+        cmd.args([
+            "-address",
+            "127.0.0.1",
+            "-port",
+            &self.epmd_port.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
         self.epmd = Some(cmd.spawn().context("start epmd")?);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !port_open(self.epmd_port) {
@@ -208,7 +213,11 @@ impl RabbitNode {
         self.server = Some(cmd.spawn().context("start rabbitmq-server")?);
         let deadline = t0 + self.opts.start_timeout;
         loop {
-            if let Some(st) = self.server.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(st) = self
+                .server
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 self.server = None;
                 bail!(
                     "rabbitmq-server exited with {st} during start; see {}",
@@ -220,7 +229,11 @@ impl RabbitNode {
             }
             if Instant::now() > deadline {
                 self.kill();
-                bail!("node {} did not accept AMQP within {:?}", self.node, self.opts.start_timeout);
+                bail!(
+                    "node {} did not accept AMQP within {:?}",
+                    self.node,
+                    self.opts.start_timeout
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -242,8 +255,8 @@ impl RabbitNode {
         };
         match vq_common::amqp::connect(&cfg, "vq-tests readiness").await {
             Ok(c) => {
-                let _ = tokio::time::timeout(Duration::from_secs(2), c.close(200, "ok".into()))
-                    .await;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), c.close(200, "ok".into())).await;
                 true
             }
             Err(_) => false,

@@ -50,7 +50,11 @@ async fn kill_job(pidfile: &std::path::Path) -> anyhow::Result<()> {
                 return Ok(());
             }
         }
-        ensure!(Instant::now() < deadline, "no pid file {}", pidfile.display());
+        ensure!(
+            Instant::now() < deadline,
+            "no pid file {}",
+            pidfile.display()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -58,12 +62,19 @@ async fn kill_job(pidfile: &std::path::Path) -> anyhow::Result<()> {
 fn count(tap: &EventTap, job_id: &str, word: &str) -> usize {
     tap.seen
         .iter()
-        .filter(|(k, v)| k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
+        .filter(|(k, v)| {
+            k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id
+        })
         .count()
 }
 
 /// Waits for the `n`-th event `word` of `job_id`.
-async fn nth_event(tap: &mut EventTap, job_id: &str, word: &str, n: usize) -> anyhow::Result<serde_json::Value> {
+async fn nth_event(
+    tap: &mut EventTap,
+    job_id: &str,
+    word: &str,
+    n: usize,
+) -> anyhow::Result<serde_json::Value> {
     let what = format!("{word} #{n} of {job_id}");
     let deadline = Instant::now() + WAIT;
     loop {
@@ -86,7 +97,8 @@ async fn nth_event(tap: &mut EventTap, job_id: &str, word: &str, n: usize) -> an
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
-async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limit() -> anyhow::Result<()> {
+async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limit(
+) -> anyhow::Result<()> {
     if !require_root() {
         return Ok(());
     }
@@ -115,20 +127,44 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
     }
     let failed = tap.job_event(&j.id, "failed", WAIT).await?;
     let reason = failed["reason"].as_str().unwrap_or_default().to_string();
-    ensure!(reason.contains(&format!("{limit} times")), "reason: {reason}");
+    ensure!(
+        reason.contains(&format!("{limit} times")),
+        "reason: {reason}"
+    );
     // The agent is fine and takes the next job.
     let ok = job(pool, &alice.name, "afterpoison", "true");
     broker.publish_job(&ok, Some("guest")).await?;
     tap.job_event(&ok.id, "finished", WAIT).await?;
-    ensure!(count(&tap, &j.id, "started") == limit, "started {} times", count(&tap, &j.id, "started"));
+    ensure!(
+        count(&tap, &j.id, "started") == limit,
+        "started {} times",
+        count(&tap, &j.id, "started")
+    );
     ensure!(count(&tap, &j.id, "finished") == 0);
     ensure!(count(&tap, &j.id, "failed") == 1);
     let dead = broker.take_dead().await?;
     ensure!(dead.len() == 1, "dead letters: {dead:#?}");
-    ensure!(dead[0].headers["x-vq-reason"].contains("times"), "{:?}", dead[0].headers);
-    ensure!(dead[0].headers["x-vq-losses"].contains(&limit.to_string()), "{:?}", dead[0].headers);
-    ensure!(broker.queue_len(&broker.topo.lease_queue(&agent_id)).await? == 0, "lease left");
-    ensure!(broker.queue_len(&broker.topo.pool_queue(pool)).await? == 0, "job left in the pool");
+    ensure!(
+        dead[0].headers["x-vq-reason"].contains("times"),
+        "{:?}",
+        dead[0].headers
+    );
+    ensure!(
+        dead[0].headers["x-vq-losses"].contains(&limit.to_string()),
+        "{:?}",
+        dead[0].headers
+    );
+    ensure!(
+        broker
+            .queue_len(&broker.topo.lease_queue(&agent_id))
+            .await?
+            == 0,
+        "lease left"
+    );
+    ensure!(
+        broker.queue_len(&broker.topo.pool_queue(pool)).await? == 0,
+        "job left in the pool"
+    );
     eprintln!("faults_agent poison: {limit} losses, then dead-lettered: {reason}");
     for ext in ["o", "e"] {
         let _ = std::fs::remove_file(alice.home.join(format!("poison.{ext}{}", j.seq())));
@@ -141,7 +177,8 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
-async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable() -> anyhow::Result<()> {
+async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
+) -> anyhow::Result<()> {
     if !require_root() {
         return Ok(());
     }
@@ -160,7 +197,12 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable()
     let tmp = tempfile::tempdir()?;
     let agent_cfg = tmp.path().join("jobagent.toml");
     std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
-    let sim = Sim::start(SimConfig::new(tmp.path().join("sim"), &agent_bin, &agent_cfg)).await?;
+    let sim = Sim::start(SimConfig::new(
+        tmp.path().join("sim"),
+        &agent_bin,
+        &agent_cfg,
+    ))
+    .await?;
     let controller_cfg = tmp.path().join("controller.toml");
     std::fs::write(
         &controller_cfg,
@@ -180,10 +222,13 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable()
             std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "info".into()),
         );
     let _controller = ChildGuard::spawn(cmd)?;
+    // The controller knows agents without a server only from their
+    // heartbeats: let it listen before the first agent starts.
+    tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Rerunnable: runs again elsewhere after its agent died.
     let a1 = format!("{cluster}-f1");
-    let mut agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
+    let agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
     wait_agent_up(&mut tap, &a1).await?;
     let (script, pidfile) = pid_script(&alice, "fence-r", 3);
     let r = job(pool, &alice.name, "fence-r", &script);
@@ -196,10 +241,16 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable()
     let a2 = format!("{cluster}-f2");
     let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
     let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
-    ensure!(s2["agent"] == a2.as_str(), "second run on the new agent: {s2}");
+    ensure!(
+        s2["agent"] == a2.as_str(),
+        "second run on the new agent: {s2}"
+    );
     let requeue_secs = t_killed.elapsed().as_secs_f64();
     let fin = tap.job_event(&r.id, "finished", WAIT).await?;
-    ensure!(fin["outcome"]["code"] == 0 && fin["agent"] == a2.as_str(), "{fin}");
+    ensure!(
+        fin["outcome"]["code"] == 0 && fin["agent"] == a2.as_str(),
+        "{fin}"
+    );
 
     // Non-rerunnable: reported failed "node lost", never started again.
     let (script, pidfile) = pid_script(&alice, "fence-n", 30);
@@ -207,7 +258,7 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable()
     n.rerunnable = false;
     let a3 = format!("{cluster}-f3");
     drop(_agent2);
-    let mut agent3 = start_agent_url(&url, &cluster, pool, &a3, TRUST_GUEST)?;
+    let agent3 = start_agent_url(&url, &cluster, pool, &a3, TRUST_GUEST)?;
     wait_agent_up(&mut tap, &a3).await?;
     broker.publish_job(&n, Some("guest")).await?;
     let s = tap.job_event(&n.id, "started", WAIT).await?;
@@ -216,14 +267,33 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable()
     kill_job(&pidfile).await?;
     let failed = tap.job_event(&n.id, "failed", WAIT).await?;
     let reason = failed["reason"].as_str().unwrap_or_default();
-    ensure!(reason.contains("node lost") && reason.contains("not rerunnable"), "{reason}");
+    ensure!(
+        reason.contains("node lost") && reason.contains("not rerunnable"),
+        "{reason}"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _ = tap.wait_for(Duration::from_millis(500), "late events", |_, _| false).await;
+    let _ = tap
+        .wait_for(Duration::from_millis(500), "late events", |_, _| false)
+        .await;
 
-    ensure!(count(&tap, &r.id, "started") == 2 && count(&tap, &r.id, "finished") == 1 && count(&tap, &r.id, "failed") == 0,
-        "rerunnable job: started {} finished {} failed {}", count(&tap, &r.id, "started"), count(&tap, &r.id, "finished"), count(&tap, &r.id, "failed"));
-    ensure!(count(&tap, &n.id, "started") == 1 && count(&tap, &n.id, "finished") == 0 && count(&tap, &n.id, "failed") == 1,
-        "non-rerunnable job: started {} finished {} failed {}", count(&tap, &n.id, "started"), count(&tap, &n.id, "finished"), count(&tap, &n.id, "failed"));
+    ensure!(
+        count(&tap, &r.id, "started") == 2
+            && count(&tap, &r.id, "finished") == 1
+            && count(&tap, &r.id, "failed") == 0,
+        "rerunnable job: started {} finished {} failed {}",
+        count(&tap, &r.id, "started"),
+        count(&tap, &r.id, "finished"),
+        count(&tap, &r.id, "failed")
+    );
+    ensure!(
+        count(&tap, &n.id, "started") == 1
+            && count(&tap, &n.id, "finished") == 0
+            && count(&tap, &n.id, "failed") == 1,
+        "non-rerunnable job: started {} finished {} failed {}",
+        count(&tap, &n.id, "started"),
+        count(&tap, &n.id, "finished"),
+        count(&tap, &n.id, "failed")
+    );
     let dead = broker.take_dead().await?;
     ensure!(
         dead.len() == 1 && dead[0].message_id.as_deref() == Some(n.id.as_str()),
@@ -286,23 +356,37 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
                 k.ends_with(".answer") && v["request_id"] == request_id.as_str()
             })
             .await?;
-        ensure!(answer["agent"] == agent_id.as_str(), "answer from another agent: {answer}");
+        ensure!(
+            answer["agent"] == agent_id.as_str(),
+            "answer from another agent: {answer}"
+        );
         // Let a wrongly taken job show itself.
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let _ = tap.wait_for(Duration::from_millis(300), "late events", |_, _| false).await;
+        let _ = tap
+            .wait_for(Duration::from_millis(300), "late events", |_, _| false)
+            .await;
         let started_here = tap.seen.iter().any(|(k, v)| {
-            k.ends_with(".started") && v["job_id"] == j.id.as_str() && v["agent"] == agent_id.as_str()
+            k.ends_with(".started")
+                && v["job_id"] == j.id.as_str()
+                && v["agent"] == agent_id.as_str()
         });
         if answer["may_delete"] == true {
             yes += 1;
-            ensure!(!started_here, "trial {trial}: the agent said yes but ran job {}", j.id);
+            ensure!(
+                !started_here,
+                "trial {trial}: the agent said yes but ran job {}",
+                j.id
+            );
             ensure!(
                 answer["running"].as_array().is_some_and(|a| a.is_empty()),
                 "{answer}"
             );
             // Not lost: still in the pool queue.
             let n = broker.queue_len(&broker.topo.pool_queue(pool)).await?;
-            ensure!(n == 1, "trial {trial}: job not back in the pool queue ({n})");
+            ensure!(
+                n == 1,
+                "trial {trial}: job not back in the pool queue ({n})"
+            );
             // Take it out for the next trial.
             let got = broker
                 .ch
@@ -314,7 +398,11 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
             ensure!(got.is_some(), "job vanished");
         } else {
             no += 1;
-            ensure!(started_here, "trial {trial}: the agent said no but did not run job {}: {answer}", j.id);
+            ensure!(
+                started_here,
+                "trial {trial}: the agent said no but did not run job {}: {answer}",
+                j.id
+            );
             tap.job_event(&j.id, "finished", WAIT).await?;
         }
         drop(agent);

@@ -18,7 +18,9 @@ use anyhow::{bail, ensure};
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use vq_tests::harness::{ensure_test_user, job, require_root, start_agent_url, unique_cluster, TestBroker};
+use vq_tests::harness::{
+    ensure_test_user, job, require_root, start_agent_url, unique_cluster, TestBroker,
+};
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "fb";
@@ -46,9 +48,7 @@ impl Seen {
         self.0
             .iter()
             .filter(|(k, v)| {
-                k.starts_with("job.")
-                    && !k.ends_with(".started")
-                    && v["job_id"] == job_id
+                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
             })
             .map(|(_, v)| v)
             .collect()
@@ -142,7 +142,10 @@ async fn consumer_timeout_is_enforced(b: &TestBroker) -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    eprintln!("probe: channel closed by consumer_timeout after {:?}", t0.elapsed());
+    eprintln!(
+        "probe: channel closed by consumer_timeout after {:?}",
+        t0.elapsed()
+    );
     Ok(())
 }
 
@@ -183,7 +186,12 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     // Broker crashes at random moments while a job runs.
     let mut kill_at = Vec::new();
     for trial in 0..CRASH_TRIALS {
-        let j = job(POOL, &alice.name, &format!("crash{trial}"), "sleep 6\necho done\n");
+        let j = job(
+            POOL,
+            &alice.name,
+            &format!("crash{trial}"),
+            "sleep 6\necho done\n",
+        );
         broker.publish_job(&j, Some("guest")).await?;
         seen.wait(&broker, "job started", Duration::from_secs(30), |s| {
             s.count(&j.id, "started") > 0
@@ -196,18 +204,24 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
         node.kill();
         node.start().await?;
         broker = connect(&node, &cluster).await?;
-        seen.wait(&broker, "job finished after the crash", Duration::from_secs(60), |s| {
-            !s.finals(&j.id).is_empty()
-        })
+        seen.wait(
+            &broker,
+            "job finished after the crash",
+            Duration::from_secs(60),
+            |s| !s.finals(&j.id).is_empty(),
+        )
         .await?;
         jobs.push(j);
     }
     // The agent takes a new job after the last restart.
     let after = job(POOL, &alice.name, "after", "echo after\n");
     broker.publish_job(&after, Some("guest")).await?;
-    seen.wait(&broker, "job after the crashes", Duration::from_secs(30), |s| {
-        !s.finals(&after.id).is_empty()
-    })
+    seen.wait(
+        &broker,
+        "job after the crashes",
+        Duration::from_secs(30),
+        |s| !s.finals(&after.id).is_empty(),
+    )
     .await?;
     jobs.push(after);
     // Late duplicates would show up here.
@@ -220,10 +234,17 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
         let finals = seen.finals(&j.id);
         report.insert(j.name.clone(), (started, finals.len()));
         ensure!(started == 1, "job {} started {started} times", j.name);
-        ensure!(finals.len() == 1, "job {} has {} final results: {finals:?}", j.name, finals.len());
+        ensure!(
+            finals.len() == 1,
+            "job {} has {} final results: {finals:?}",
+            j.name,
+            finals.len()
+        );
         let f = finals[0];
         ensure!(
-            f["state"] == "finished" && f["outcome"]["kind"] == "exited" && f["outcome"]["code"] == 0,
+            f["state"] == "finished"
+                && f["outcome"]["kind"] == "exited"
+                && f["outcome"]["code"] == 0,
             "job {} was interrupted or failed: {f}",
             j.name
         );
@@ -232,11 +253,20 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
         }
     }
     ensure!(
-        broker.queue_len(&broker.topo.lease_queue(&agent_id)).await? == 0,
+        broker
+            .queue_len(&broker.topo.lease_queue(&agent_id))
+            .await?
+            == 0,
         "a lease was left behind"
     );
-    ensure!(broker.queue_len(&broker.topo.pool_queue(POOL)).await? == 0, "a job was left in the pool queue");
-    ensure!(broker.take_dead().await?.is_empty(), "a job was dead-lettered");
+    ensure!(
+        broker.queue_len(&broker.topo.pool_queue(POOL)).await? == 0,
+        "a job was left in the pool queue"
+    );
+    ensure!(
+        broker.take_dead().await?.is_empty(),
+        "a job was dead-lettered"
+    );
     eprintln!(
         "faults_broker: {} crash trials (kill after {kill_at:?}); per job (started, final results): {report:?}; lost 0, duplicated 0, interrupted 0",
         CRASH_TRIALS
