@@ -61,6 +61,8 @@ default_walltime_secs = 600
 kill_grace_secs = 5
 [submitters]
 same_name = true
+# the controller's account (guest in the demo) returns jobs of lost VMs
+requeuers = ["guest"]
 EOF
 cat > "$WORK/controller.toml" <<EOF
 cluster = "$CLUSTER"

@@ -89,7 +89,7 @@ info=$(dpkg-deb --info "$DEB_AGENT")
 list=$(dpkg-deb -c "$DEB_AGENT")
 check "jobagent.deb: Package jobagent, Architecture amd64" \
   eval 'has "$info" "^ Package: jobagent$" && has "$info" "^ Architecture: amd64$"'
-check "jobagent.deb: no Depends (static binary)" lacks "$info" '^ (Pre-)?Depends:'
+check "jobagent.deb: no dependencies (static binary; empty Depends field)" lacks "$info" '^ (Pre-)?Depends: *[^ ]'
 check "jobagent.deb: /usr/sbin/jobagent 0755 root" has "$list" '^-rwxr-xr-x (root/root|0/0) .* \./usr/sbin/jobagent$'
 check "jobagent.deb: /etc/vq/jobagent.toml 0600 root" has "$list" '^-rw------- (root/root|0/0) .* \./etc/vq/jobagent\.toml$'
 check "jobagent.deb: systemd unit" has "$list" '^-rw-r--r-- (root/root|0/0) .* \./(usr/)?lib/systemd/system/jobagent\.service$'
@@ -100,8 +100,10 @@ dpkg-deb -e "$DEB_AGENT" "$WORK/agent-ctrl"
 check "jobagent.deb: /etc/vq/jobagent.toml is a conffile" grep -qx /etc/vq/jobagent.toml "$WORK/agent-ctrl/conffiles"
 scripts_agent=$(cat "$WORK/agent-ctrl/postinst" "$WORK/agent-ctrl/prerm" "$WORK/agent-ctrl/postrm" 2>/dev/null)
 check "jobagent.deb: maintainer scripts reload systemd" has "$scripts_agent" 'systemctl (--system )?daemon-reload'
-check "jobagent.deb: maintainer scripts never enable or (re)start the agent" \
-  eval 'lacks "$scripts_agent" "deb-systemd-helper (--quiet )?enable|deb-systemd-invoke .*(start|restart) "'
+# dh_installsystemd's no-enable snippet re-enables only a unit the admin had
+# enabled (was-enabled); nothing starts or restarts the agent.
+check "jobagent.deb: maintainer scripts never enable (unless it was enabled) or (re)start the agent" \
+  eval 'test "$(grep -c "deb-systemd-helper enable" <<<"$scripts_agent")" = "$(grep -c "deb-systemd-helper --quiet was-enabled" <<<"$scripts_agent")" && lacks "$scripts_agent" "deb-systemd-invoke .*start|systemctl .*(start|enable)"'
 gunzip -c <(dpkg-deb --fsys-tarfile "$DEB_AGENT" | tar -xO ./usr/share/man/man8/jobagent.8.gz) > "$WORK/jobagent.8"
 check "jobagent(8) documents --check-config and --config" \
   eval 'grep -q -- "check\\\\-config" "$WORK/jobagent.8" && grep -q -- "\\\\-\\\\-config" "$WORK/jobagent.8"'
@@ -121,8 +123,8 @@ for f in man/man8/vq-controller.8.gz man/man1/vq.1.gz man/man1/vq-submit.1.gz \
   check "vq-controller.deb: /usr/share/$f" has "$list" " \\./usr/share/$f\$"
 done
 check "vq-controller.deb: systemd unit" has "$list" ' \./(usr/)?lib/systemd/system/vq-controller\.service$'
-check "vq-controller.deb: does not enable or start the service on install" \
-  eval 'lacks "$(cat "$WORK/ctrl-ctrl/postinst")" "deb-systemd-helper (--quiet )?enable|deb-systemd-invoke start "'
+check "vq-controller.deb: does not enable or start the service on install (try-restart on upgrade)" \
+  eval 'ctl=$(cat "$WORK/ctrl-ctrl/postinst"); test "$(grep -c "deb-systemd-helper enable" <<<"$ctl")" = "$(grep -c "deb-systemd-helper --quiet was-enabled" <<<"$ctl")" && lacks "$ctl" "deb-systemd-invoke (start|restart) "'
 
 rpminfo=$(rpm -qip "$RPM_AGENT" 2>/dev/null)
 rpmfiles=$(rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} (%{FILEFLAGS:fflags}) %{FILENAMES}\n]' "$RPM_AGENT" 2>/dev/null)

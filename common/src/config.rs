@@ -103,6 +103,12 @@ pub struct SubmitterRules {
     pub same_name: bool,
     /// Extra grants: broker user → owners it may submit for.
     pub grants: BTreeMap<String, Vec<String>>,
+    /// Broker users that return jobs of lost nodes to their pool (the
+    /// controller's account, which fences dead agents). A job they publish is
+    /// judged by the original submitter named in its
+    /// [`crate::messages::SUBMITTER_HEADER`] header, never by the requeuer's
+    /// own rights; one without that header is refused.
+    pub requeuers: Vec<String>,
 }
 
 impl Default for SubmitterRules {
@@ -111,11 +117,29 @@ impl Default for SubmitterRules {
             trusted: Vec::new(),
             same_name: true,
             grants: BTreeMap::new(),
+            requeuers: Vec::new(),
         }
     }
 }
 
 impl SubmitterRules {
+    /// The submitter a job is judged by: the broker-validated `user_id`, or,
+    /// when that is a [`SubmitterRules::requeuers`] account, the original
+    /// submitter it carries in `submitter_header`. `None` if there is no
+    /// `user_id`, or a requeuer's job lacks the header.
+    pub fn effective_submitter<'a>(
+        &self,
+        user_id: Option<&'a str>,
+        submitter_header: Option<&'a str>,
+    ) -> Option<&'a str> {
+        let user = user_id?;
+        if self.requeuers.iter().any(|r| r == user) {
+            submitter_header
+        } else {
+            Some(user)
+        }
+    }
+
     /// Whether `submitter` (a broker user) may submit a job that runs as
     /// `owner`.
     pub fn allows(&self, submitter: &str, owner: &str) -> bool {
@@ -810,5 +834,16 @@ mod tests {
         assert!(r.allows("bridge", "bob"));
         assert!(r.allows("carol", "dave"));
         assert!(!r.allows("carol", "erin"));
+        r.requeuers.push("vq-controller".into());
+        assert_eq!(
+            r.effective_submitter(Some("vq-controller"), Some("alice")),
+            Some("alice")
+        );
+        assert_eq!(r.effective_submitter(Some("vq-controller"), None), None);
+        assert_eq!(
+            r.effective_submitter(Some("alice"), Some("bridge")),
+            Some("alice")
+        );
+        assert_eq!(r.effective_submitter(None, Some("alice")), None);
     }
 }

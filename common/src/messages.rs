@@ -27,6 +27,12 @@ pub const REASON_HEADER: &str = "x-vq-reason";
 /// AMQP header set on dead-lettered jobs: who dead-lettered it (agent id).
 pub const DEAD_BY_HEADER: &str = "x-vq-dead-by";
 
+/// AMQP header naming the broker user that originally submitted a job, on
+/// copies republished by someone else (dead letters, leases, jobs of lost
+/// nodes returned by the controller): the original `user_id` cannot be
+/// republished because the broker validates it against the publisher.
+pub const SUBMITTER_HEADER: &str = "x-vq-submitter";
+
 /// Largest accepted job script, in bytes (1 MiB). Larger scripts belong in a
 /// shared file system; the script travels inside every copy of the message.
 pub const MAX_SCRIPT_BYTES: usize = 1024 * 1024;

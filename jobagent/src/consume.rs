@@ -219,11 +219,19 @@ pub(crate) async fn handle_delivery(
 ) {
     let span = tracing::info_span!("job", pool = %ctx.cfg.pool, job_id = %key);
     async move {
-        let submitter = delivery
+        // The broker validated `user_id`; a requeuer (the controller
+        // returning a lost node's job) is judged by the original submitter.
+        let user_id = delivery
             .properties
             .user_id()
             .as_ref()
             .map(|u| u.as_str().to_string());
+        let original = header_str(&delivery.properties, SUBMITTER_HEADER);
+        let submitter = ctx
+            .cfg
+            .submitters
+            .effective_submitter(user_id.as_deref(), original.as_deref())
+            .map(str::to_string);
         let pool_queue = ctx.topo.pool_queue(&ctx.cfg.pool);
         let refused = match decoded {
             Err(e) => Some((None, Rejection::Malformed(e))),
@@ -239,6 +247,7 @@ pub(crate) async fn handle_delivery(
                         &key,
                         &jobs_ch,
                         &pool_queue,
+                        submitter.as_deref(),
                     )
                     .await;
                     None
@@ -276,8 +285,11 @@ async fn claim_and_run(
     key: &str,
     jobs_ch: &Channel,
     pool_queue: &str,
+    submitter: Option<&str>,
 ) {
-    let props = lease_properties(&delivery.properties, key);
+    // The lease records the submitter this job was judged by, so that a
+    // recovery on this VM judges it the same way.
+    let props = lease_properties(&delivery.properties, key, submitter);
     if let Err(e) = ctx
         .publisher
         .publish_once_mandatory("", ctx.leases.queue(), &delivery.data, props, true)

@@ -16,10 +16,7 @@ use vq_common::messages::{
     unix_now, Job, JobEvent, JobState, Message, DEAD_BY_HEADER, REASON_HEADER,
 };
 
-/// Header on dead-lettered jobs naming the broker user that submitted them
-/// (the original `user_id` cannot be republished: the broker validates it
-/// against the agent's own account).
-pub const SUBMITTER_HEADER: &str = "x-vq-submitter";
+pub use vq_common::messages::SUBMITTER_HEADER;
 
 /// Pause between attempts of a publish that must not be lost.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
@@ -133,7 +130,8 @@ pub fn job_event(
 }
 
 /// Properties for dead-lettering a delivery: the original properties except
-/// `user_id` (moved to [`SUBMITTER_HEADER`]) and `expiration`, plus
+/// `user_id` (moved to [`SUBMITTER_HEADER`], replacing any such header the
+/// publisher set) and `expiration`, plus
 /// [`REASON_HEADER`] and [`DEAD_BY_HEADER`].
 pub fn dead_letter_properties(
     orig: &BasicProperties,
@@ -149,16 +147,23 @@ pub fn dead_letter_properties(
         DEAD_BY_HEADER.into(),
         AMQPValue::LongString(LongString::from(agent)),
     );
-    copied_properties(orig, headers)
+    let user = orig.user_id().as_ref().map(|u| u.as_str().to_string());
+    copied_properties(orig, headers, user.as_deref())
 }
 
 /// Properties of a lease copy of a pool delivery: the original properties
-/// except `user_id` (moved to [`SUBMITTER_HEADER`]; the broker would refuse
-/// a `user_id` other than the agent's own) and `expiration`, persistent,
-/// with `message_id` = the job id.
-pub fn lease_properties(orig: &BasicProperties, job_id: &str) -> BasicProperties {
+/// except `user_id` and `expiration`, persistent, with `message_id` = the
+/// job id and [`SUBMITTER_HEADER`] = `submitter`, the submitter the job was
+/// judged by (the broker would refuse a `user_id` other than the agent's
+/// own). A [`SUBMITTER_HEADER`] the publisher set is never copied: it is
+/// trusted only from requeuers (see `SubmitterRules::effective_submitter`).
+pub fn lease_properties(
+    orig: &BasicProperties,
+    job_id: &str,
+    submitter: Option<&str>,
+) -> BasicProperties {
     let headers = orig.headers().clone().unwrap_or_default();
-    copied_properties(orig, headers)
+    copied_properties(orig, headers, submitter)
         .with_delivery_mode(2)
         .with_message_id(job_id.into())
 }
@@ -203,11 +208,22 @@ pub fn with_header_u32(props: BasicProperties, name: &str, value: u32) -> BasicP
     props.with_headers(headers)
 }
 
-fn copied_properties(orig: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
-    if let Some(user) = orig.user_id() {
+fn copied_properties(
+    orig: &BasicProperties,
+    headers: FieldTable,
+    submitter: Option<&str>,
+) -> BasicProperties {
+    let mut headers: FieldTable = headers
+        .inner()
+        .iter()
+        .filter(|(k, _)| k.as_str() != SUBMITTER_HEADER)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect::<std::collections::BTreeMap<_, _>>()
+        .into();
+    if let Some(user) = submitter {
         headers.insert(
             SUBMITTER_HEADER.into(),
-            AMQPValue::LongString(LongString::from(user.as_str())),
+            AMQPValue::LongString(LongString::from(user)),
         );
     }
     let mut p = BasicProperties::default()
@@ -389,14 +405,36 @@ mod tests {
         assert!(ob.job_ids().is_empty());
     }
 
+    fn with_header_str(props: BasicProperties, name: &str, value: &str) -> BasicProperties {
+        let mut headers = props.headers().clone().unwrap_or_default();
+        headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
+        props.with_headers(headers)
+    }
+
+    #[test]
+    fn a_forged_submitter_header_is_replaced_in_dead_letters() {
+        let p = with_header_str(BasicProperties::default(), SUBMITTER_HEADER, "bob")
+            .with_user_id("alice".into());
+        let dead = dead_letter_properties(&p, "refused", "agent-1");
+        assert_eq!(
+            header_str(&dead, SUBMITTER_HEADER).as_deref(),
+            Some("alice")
+        );
+        assert!(dead.user_id().is_none());
+    }
+
     #[test]
     fn loss_counters_are_read_from_any_integer_header() {
         let p = with_header_u32(BasicProperties::default(), "x-vq-losses", 2);
         assert_eq!(header_u32(&p, "x-vq-losses"), 2);
         assert_eq!(header_u32(&BasicProperties::default(), "x-vq-losses"), 0);
+        let forged = with_header_str(p, SUBMITTER_HEADER, "bob");
         let lease = lease_properties(
-            &p.with_user_id("alice".into()).with_expiration("100".into()),
+            &forged
+                .with_user_id("alice".into())
+                .with_expiration("100".into()),
             "j1",
+            Some("alice"),
         );
         assert!(lease.user_id().is_none());
         assert!(lease.expiration().is_none());
