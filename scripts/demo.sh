@@ -59,6 +59,9 @@ min_uid = 1000
 heartbeat_secs = 1.0
 default_walltime_secs = 600
 kill_grace_secs = 5
+# broker users whose drain/ask-delete this agent obeys: the controller's
+# account (guest in the demo)
+control_admins = ["guest"]
 [submitters]
 same_name = true
 # the controller's account (guest in the demo) returns jobs of lost VMs

@@ -165,7 +165,7 @@ in_root() { chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=
 # Version N-1 of the same package, built by cargo-deb with an older version.
 PREV_VERSION="$UPSTREAM-0~prev1"
 cargo deb --no-build --quiet -p vq-jobagent --target "$MUSL" --profile release-agent \
-  --deb-version "$PREV_VERSION" -o "$WORK/jobagent_prev.deb"
+  --deb-version "$PREV_VERSION" -o "$WORK/jobagent_prev.deb" > /dev/null
 cp "$DEB_AGENT" "$WORK/jobagent_prev.deb" "$DEB_CTRL" "$R/tmp/"
 in_root dpkg -i /tmp/jobagent_prev.deb < /dev/null > "$WORK/dpkg.log" 2>&1 \
   || { cat "$WORK/dpkg.log" >&2; die "dpkg -i of version $PREV_VERSION failed"; }
@@ -175,7 +175,7 @@ check "/etc/vq/jobagent.toml is 0600 root:root" test "$(stat -c '%a %U:%G' "$R/e
 check "the unit is not enabled after install" \
   eval '! ls "$R"/etc/systemd/system/*.wants/jobagent.service >/dev/null 2>&1'
 set +e
-msg=$(in_root jobagent --check-config 2>&1); rc=$?
+msg=$(in_root jobagent --check-config 2>&1); rc=$?; msg=${msg//$'\n'/ }
 set -e
 check "unconfigured (no identity): --check-config exits 64 ($msg)" test "$rc" = 64
 
@@ -234,7 +234,7 @@ check "vq-controller: /etc/vq/controller.toml is 0640 root:vq" test "$(stat -c '
 check "vq --version and vq-controller --version name the commit" \
   eval 'in_root vq --version | grep -q "(git $commit)" && in_root vq-controller --version | grep -q "(git $commit)"'
 check "vq-controller --check-config as user vq on the installed config" \
-  in_root setpriv --reuid=vq --regid=vq --clear-groups vq-controller --check-config
+  eval 'in_root setpriv --reuid=vq --regid=vq --clear-groups vq-controller --check-config > /dev/null'
 va=$(in_root systemd-analyze verify --man=no vq-controller.service 2>&1) \
   && ok "systemd-analyze verify vq-controller.service" \
   || bad "systemd-analyze verify vq-controller.service: $va"
@@ -285,7 +285,7 @@ check "rootfs: static vq-controller, CA bundle, user 65532, no shell" \
 IMG_USER=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["config"]["User"])' "$WORK/image-config.json")
 mapfile -t IMG_ENV < <(python3 -c 'import json,sys; print("\n".join(json.load(open(sys.argv[1]))["config"]["Env"]))' "$WORK/image-config.json")
 check "image: vq-controller --check-config on the image's default config" \
-  env -i "${IMG_ENV[@]}" chroot --userspec="$IMG_USER" "$RF" /usr/bin/vq-controller --check-config
+  eval 'env -i "${IMG_ENV[@]}" chroot --userspec="$IMG_USER" "$RF" /usr/bin/vq-controller --check-config > /dev/null'
 
 scripts/ensure-rabbitmq.sh
 SIM=$ROOT/target/debug/vq-cloudsim
@@ -354,7 +354,7 @@ secret = next(d for d in docs if d["kind"] == "Secret")
 open(sys.argv[3], "w").write(secret["stringData"]["controller.toml"])
 EOF
 check "kubernetes.yaml: its controller.toml passes vq-controller --check-config" \
-  "$RF/usr/bin/vq-controller" --check-config --config "$WORK/k8s-controller.toml"
+  eval '"$RF/usr/bin/vq-controller" --check-config --config "$WORK/k8s-controller.toml" > /dev/null'
 
 echo
 if [ "$FAILS" = 0 ]; then

@@ -180,6 +180,13 @@ pub struct AgentConfig {
     pub heartbeat_secs: f64,
     /// Walltime of a job that gives none, seconds.
     pub default_walltime_secs: u64,
+    /// Largest walltime a job may ask for, seconds (a job asking more is
+    /// refused, as a PBS queue's `resources_max.walltime` does).
+    pub max_walltime_secs: u64,
+    /// Broker users whose control messages (drain, ask-delete, cancel of any
+    /// job) this agent obeys: the controller's account and operators. Anyone
+    /// else may only cancel jobs they own or submitted.
+    pub control_admins: Vec<String>,
     /// Seconds between SIGTERM and SIGKILL when a job is stopped.
     pub kill_grace_secs: u64,
     /// Umask of a job that gives none (octal in TOML strings is not
@@ -234,6 +241,8 @@ impl Default for AgentConfig {
             submitters: SubmitterRules::default(),
             heartbeat_secs: 10.0,
             default_walltime_secs: 24 * 3600,
+            max_walltime_secs: 31 * 24 * 3600,
+            control_admins: vec!["vq-controller".into()],
             kill_grace_secs: 10,
             default_umask: 0o022,
             job_path: "/usr/local/bin:/usr/bin:/bin".into(),
@@ -304,6 +313,17 @@ impl AgentConfig {
         }
         if self.default_walltime_secs == 0 {
             p.push("default_walltime_secs: must be at least 1".into());
+        }
+        if self.max_walltime_secs == 0 || self.max_walltime_secs > 10 * 366 * 24 * 3600 {
+            p.push(format!(
+                "max_walltime_secs: {} is out of range 1..=316224000 (10 years)",
+                self.max_walltime_secs
+            ));
+        } else if self.default_walltime_secs > self.max_walltime_secs {
+            p.push(format!(
+                "default_walltime_secs: {} is greater than max_walltime_secs {}",
+                self.default_walltime_secs, self.max_walltime_secs
+            ));
         }
         if self.default_umask > 0o777 {
             p.push(format!(

@@ -272,6 +272,12 @@ pub struct JobEvent {
     /// Agent that reports (PBS `mom_exec_host`); empty if no agent.
     #[serde(default)]
     pub agent: String,
+    /// Broker user the job was judged by (the broker-validated `user_id` of
+    /// the job message, or the original submitter of a requeued job), so
+    /// that clients match events to their own submission and not to
+    /// another user's message that reuses the id. `None` if unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submitter: Option<String>,
     /// When the event happened, Unix seconds (sender's clock; informative).
     pub at: f64,
     /// What happened.

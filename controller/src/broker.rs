@@ -29,11 +29,11 @@ use lapin::{BasicProperties, Channel, Connection, Consumer};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use vq_common::amqp::{self, bounded, AmqpError};
+use vq_common::amqp::{self, bounded, header_str, header_u32, with_header_u32, AmqpError};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{
     unix_now, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message,
-    DEAD_BY_HEADER, REASON_HEADER, SCHEMA_VERSION,
+    DEAD_BY_HEADER, REASON_HEADER, SCHEMA_VERSION, SUBMITTER_HEADER,
 };
 use vq_common::topology::{job_event_key, Topology, ALL_AGENT_EVENTS, LOSSES_HEADER};
 
@@ -292,11 +292,18 @@ impl Broker {
     /// [`AmqpError`].
     pub async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
         let channel = self.channel().await?;
-        amqp::publish_message(
+        // The agent authorises control messages by the broker-validated
+        // user_id (its `control_admins`), so it must be set.
+        let mut props = amqp::json_properties::<Control>();
+        if let Some(user) = broker_user(&self.cfg.url) {
+            props = props.with_user_id(user.as_str().into());
+        }
+        amqp::publish_confirmed(
             &channel,
             &self.topo.control_exchange(),
             agent,
-            msg,
+            &msg.encode(),
+            props,
             true,
             Duration::from_secs(self.cfg.confirm_timeout_secs),
         )
@@ -450,7 +457,7 @@ impl Broker {
             };
             match lease_fate(decoded.as_ref().ok(), agent, losses, loss_limit) {
                 LeaseFate::Requeue { pool } => {
-                    let mut props = with_header(d.properties.clone(), LOSSES_HEADER, losses);
+                    let mut props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
                     if let Some(u) = &submitter {
                         props = props.with_user_id(u.as_str().into());
                     }
@@ -488,6 +495,7 @@ impl Broker {
                             owner: job.owner.clone(),
                             pool: job.pool.clone(),
                             agent: agent.to_string(),
+                            submitter: header_str(&d.properties, SUBMITTER_HEADER),
                             at: unix_now(),
                             state: JobState::Failed {
                                 reason: reason.clone(),
@@ -708,33 +716,6 @@ pub fn broker_user(url: &str) -> Option<String> {
         i += 1;
     }
     String::from_utf8(out).ok().filter(|u| !u.is_empty())
-}
-
-fn header_u32(props: &BasicProperties, name: &str) -> u32 {
-    let Some(v) = props
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(name).cloned())
-    else {
-        return 0;
-    };
-    let n: i128 = match v {
-        AMQPValue::ShortShortInt(n) => i128::from(n),
-        AMQPValue::ShortShortUInt(n) => i128::from(n),
-        AMQPValue::ShortInt(n) => i128::from(n),
-        AMQPValue::ShortUInt(n) => i128::from(n),
-        AMQPValue::LongInt(n) => i128::from(n),
-        AMQPValue::LongUInt(n) => i128::from(n),
-        AMQPValue::LongLongInt(n) => i128::from(n),
-        _ => 0,
-    };
-    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
-}
-
-fn with_header(props: BasicProperties, name: &str, value: u32) -> BasicProperties {
-    let mut h = props.headers().clone().unwrap_or_default();
-    h.insert(name.into(), AMQPValue::LongLongInt(i64::from(value)));
-    props.with_headers(h)
 }
 
 fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {

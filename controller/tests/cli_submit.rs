@@ -126,6 +126,7 @@ fn event(job: &Job, agent: &str, state: JobState) -> JobEvent {
         owner: job.owner.clone(),
         pool: job.pool.clone(),
         agent: agent.into(),
+        submitter: None,
         at: vq_common::messages::unix_now(),
         state,
     }

@@ -238,6 +238,9 @@ pub(crate) async fn handle_delivery(
             Ok(job) => match plan_job(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys) {
                 Err(rej) => Some((Some(job), rej)),
                 Ok(plan) => {
+                    let mut cancellers = vec![job.owner.clone()];
+                    cancellers.extend(submitter.clone());
+                    ctx.shared.set_cancellers(&key, cancellers);
                     claim_and_run(
                         &ctx,
                         &delivery,
@@ -310,7 +313,18 @@ async fn claim_and_run(
         return;
     }
     debug!("claimed: leased and acked");
-    run_and_release(ctx, job, plan, cancel, key).await;
+    run_and_release(ctx, job, plan, cancel, key, submitter).await;
+}
+
+/// The submitter a delivery is judged by (see
+/// `SubmitterRules::effective_submitter`).
+fn judged_submitter(ctx: &Ctx, props: &BasicProperties) -> Option<String> {
+    let user_id = props.user_id().as_ref().map(|u| u.as_str().to_string());
+    let original = header_str(props, SUBMITTER_HEADER);
+    ctx.cfg
+        .submitters
+        .effective_submitter(user_id.as_deref(), original.as_deref())
+        .map(str::to_string)
 }
 
 /// Refuses a job that will not run: dead-letters `body` with the reason in
@@ -328,7 +342,15 @@ pub(crate) async fn refuse(
     warn!(reason = %reason, "job refused");
     dead_letter(ctx, body, props, &reason).await;
     let pool = &ctx.cfg.pool;
-    let event = job_event(job, key, pool, &ctx.agent, JobState::Failed { reason });
+    let submitter = judged_submitter(ctx, props);
+    let event = job_event(
+        job,
+        key,
+        pool,
+        &ctx.agent,
+        submitter.as_deref(),
+        JobState::Failed { reason },
+    );
     publish_result(ctx, key, &event).await;
     ctx.outbox.remove(key);
 }
@@ -386,9 +408,17 @@ async fn run_and_release(
     plan: LaunchPlan,
     cancel: CancellationToken,
     key: &str,
+    submitter: Option<&str>,
 ) {
     let pool = ctx.cfg.pool.clone();
-    let started_event = job_event(Some(job), key, &pool, &ctx.agent, JobState::Started);
+    let started_event = job_event(
+        Some(job),
+        key,
+        &pool,
+        &ctx.agent,
+        submitter,
+        JobState::Started,
+    );
     // Published while the job runs: a broker outage must not delay the job.
     let started_pub = {
         let ctx = ctx.clone();
@@ -416,11 +446,11 @@ async fn run_and_release(
             reason: "the agent shut down before the job finished; it is not rerunnable (-r n)"
                 .into(),
         };
-        let event = job_event(Some(job), key, &pool, &ctx.agent, state);
+        let event = job_event(Some(job), key, &pool, &ctx.agent, submitter, state);
         publish_result(ctx, key, &event).await;
     } else {
         let state = JobState::Finished { outcome, usage };
-        let event = job_event(Some(job), key, &pool, &ctx.agent, state);
+        let event = job_event(Some(job), key, &pool, &ctx.agent, submitter, state);
         publish_result(ctx, key, &event).await;
     }
     release_lease(ctx, key).await;
@@ -565,11 +595,13 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
         warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
         let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
         dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
+        let submitter = header_str(&d.properties, SUBMITTER_HEADER);
         let event = job_event(
             Some(&job),
             key,
             &pool,
             &ctx.agent,
+            submitter.as_deref(),
             JobState::Failed { reason },
         );
         let rk = job_event_key(&pool, "failed");
@@ -605,7 +637,12 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
     tokio::spawn(
         async move {
             match plan_job(&job, submitter.as_deref(), &ctx2.cfg, &ctx2.sys) {
-                Ok(plan) => run_and_release(&ctx2, &job, plan, cancel, &key).await,
+                Ok(plan) => {
+                    let mut cancellers = vec![job.owner.clone()];
+                    cancellers.extend(submitter.clone());
+                    ctx2.shared.set_cancellers(&key, cancellers);
+                    run_and_release(&ctx2, &job, plan, cancel, &key, submitter.as_deref()).await
+                }
                 Err(rej) => {
                     refuse(&ctx2, &body, &props, Some(&job), &key, &rej).await;
                     release_lease(&ctx2, &key).await;

@@ -256,6 +256,17 @@ pub fn plan_job(
             problem: "must be at least 1 second".into(),
         });
     }
+    if walltime > cfg.max_walltime_secs {
+        return Err(Rejection::BadField {
+            field: "walltime",
+            problem: format!(
+                "{walltime} s is more than this pool's max_walltime_secs {}",
+                cfg.max_walltime_secs
+            ),
+        });
+    }
+    check_label("id", &job.id, 128)?;
+    check_label("name", &job.name, 236)?;
 
     let env = job_environment(job, &user.name, &user.home, &shell, &workdir, cfg)?;
     Ok(LaunchPlan {
@@ -398,6 +409,30 @@ pub fn job_environment(
     Ok(env.into_iter().collect())
 }
 
+/// Job ids and names end up in file names, logs, events and terminals: 1 to
+/// `max` characters, no control characters, no `/`, not starting with `.`
+/// or `-` (the PBS job-name rules, extended to ids).
+fn check_label(field: &'static str, value: &str, max: usize) -> Result<(), Rejection> {
+    let problem = if value.is_empty() {
+        Some("is empty".to_string())
+    } else if value.chars().count() > max {
+        Some(format!("is longer than {max} characters"))
+    } else if value
+        .chars()
+        .any(|c| c.is_control() || c == '/' || c.is_whitespace())
+    {
+        Some("contains a control character, white space or '/'".to_string())
+    } else if value.starts_with('.') || value.starts_with('-') {
+        Some("starts with '.' or '-'".to_string())
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(Rejection::BadField { field, problem }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,6 +485,47 @@ mod tests {
         assert_eq!(env["PBS_ENVIRONMENT"], "PBS_BATCH");
         assert_eq!(env["USER"], "alice");
         assert_eq!(env.len(), 13);
+    }
+
+    #[test]
+    fn a_walltime_past_the_maximum_or_a_hostile_id_or_name_is_refused() {
+        let (s, c) = (sys(), cfg());
+        let mut j = job("alice");
+        j.walltime = Some(u64::MAX);
+        let err = plan_job(&j, Some("alice"), &c, &s).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Rejection::BadField {
+                    field: "walltime",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        for bad_id in [
+            "",
+            "a/b",
+            "esc\u{1b}[2J",
+            "-rf",
+            ".hidden",
+            "sp ace",
+            &"x".repeat(129),
+        ] {
+            let mut j = job("alice");
+            j.id = bad_id.into();
+            let err = plan_job(&j, Some("alice"), &c, &s).unwrap_err();
+            assert!(
+                matches!(err, Rejection::BadField { field: "id", .. }),
+                "{bad_id:?}: {err}"
+            );
+        }
+        let mut j = job("alice");
+        j.name = "a\nb".into();
+        assert!(plan_job(&j, Some("alice"), &c, &s).is_err());
+        let mut j = job("alice");
+        j.walltime = Some(c.max_walltime_secs);
+        assert!(plan_job(&j, Some("alice"), &c, &s).is_ok());
     }
 
     #[test]

@@ -115,9 +115,11 @@ pub fn job_event(
     job_id: &str,
     pool: &str,
     agent: &str,
+    submitter: Option<&str>,
     state: JobState,
 ) -> JobEvent {
     JobEvent {
+        submitter: submitter.map(str::to_string),
         schema: vq_common::messages::SCHEMA_VERSION,
         job_id: job.map_or_else(|| job_id.to_string(), |j| j.id.clone()),
         job_name: job.map(|j| j.name.clone()).unwrap_or_default(),
@@ -168,45 +170,7 @@ pub fn lease_properties(
         .with_message_id(job_id.into())
 }
 
-/// The number in header `name` (any integer type; absent or not a number
-/// gives 0).
-pub fn header_u32(props: &BasicProperties, name: &str) -> u32 {
-    let Some(h) = props.headers() else { return 0 };
-    let Some(v) = h.inner().get(name) else {
-        return 0;
-    };
-    let n: i128 = match v {
-        AMQPValue::ShortShortInt(n) => i128::from(*n),
-        AMQPValue::ShortShortUInt(n) => i128::from(*n),
-        AMQPValue::ShortInt(n) => i128::from(*n),
-        AMQPValue::ShortUInt(n) => i128::from(*n),
-        AMQPValue::LongInt(n) => i128::from(*n),
-        AMQPValue::LongUInt(n) => i128::from(*n),
-        AMQPValue::LongLongInt(n) => i128::from(*n),
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes())
-            .trim()
-            .parse()
-            .unwrap_or(0),
-        _ => 0,
-    };
-    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
-}
-
-/// The string in header `name`, if any.
-pub fn header_str(props: &BasicProperties, name: &str) -> Option<String> {
-    match props.headers().as_ref()?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    }
-}
-
-/// `props` with header `name` set to the integer `value`.
-pub fn with_header_u32(props: BasicProperties, name: &str, value: u32) -> BasicProperties {
-    let mut headers = props.headers().clone().unwrap_or_default();
-    headers.insert(name.into(), AMQPValue::LongLongInt(i64::from(value)));
-    props.with_headers(headers)
-}
+pub use vq_common::amqp::{header_str, header_u32, with_header_u32};
 
 fn copied_properties(
     orig: &BasicProperties,

@@ -28,15 +28,15 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use vq_common::amqp::{
-    bounded, confirm_channel, connect, declare_exchanges, declare_lease_queue, declare_pool_queue,
-    AmqpError, Backoff,
+    bounded, confirm_channel, connect, declare_bound_queue, declare_exchanges, declare_lease_queue,
+    declare_pool_queue, AmqpError, Backoff,
 };
 use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
 use vq_common::topology::agent_event_key;
 
 use crate::consume::{drop_duplicate, handle_delivery, scan_leases};
 use crate::error::{chain, AgentError};
-use crate::state::Claim;
+use crate::state::{CancelOutcome, Claim};
 use crate::Ctx;
 
 /// Bound on broker operations in this module.
@@ -126,6 +126,16 @@ async fn run_session(
     let pub_ch = confirm_channel(conn).await?;
     declare_exchanges(&pub_ch, topo).await?;
     declare_pool_queue(&pub_ch, topo, pool).await?;
+    // The dead-letter queue too: a job refused before any controller ran
+    // must not vanish into an exchange without a bound queue.
+    declare_bound_queue(
+        &pub_ch,
+        &topo.dead_queue(),
+        &topo.dead_queue_args(),
+        &topo.dead_exchange(),
+        "",
+    )
+    .await?;
     declare_lease_queue(&pub_ch, topo, &ctx.agent).await?;
     let lease_ch = bounded("open lease channel", OP_TIMEOUT, async {
         conn.create_channel().await.map_err(op("channel.open"))
@@ -229,7 +239,10 @@ async fn run_session(
                 None => return Err(AgentError::Lost { what: "pool queue consumer" }),
             },
             c = control.next() => match c {
-                Some(Ok(msg)) => on_control(ctx, &jobs_ch, &mut consumer, &msg.data).await?,
+                Some(Ok(msg)) => {
+                    let sender = msg.properties.user_id().as_ref().map(|u| u.as_str().to_string());
+                    on_control(ctx, &jobs_ch, &mut consumer, &msg.data, sender.as_deref()).await?
+                }
                 Some(Err(e)) => return Err(op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
             },
@@ -359,6 +372,7 @@ async fn on_control(
     jobs_ch: &Channel,
     consumer: &mut Option<Consumer>,
     body: &[u8],
+    sender: Option<&str>,
 ) -> Result<(), AgentError> {
     let msg = match Control::decode(body) {
         Ok(m) => m,
@@ -368,6 +382,18 @@ async fn on_control(
         }
     };
     let pool = &ctx.cfg.pool;
+    // Control messages are authorised by the broker-validated user_id:
+    // admins (the controller, operators) may do anything; others may only
+    // cancel their own jobs.
+    let Some(sender) = sender else {
+        warn!(pool = %pool, "ignoring a control message without user_id");
+        return Ok(());
+    };
+    let admin = ctx.cfg.control_admins.iter().any(|a| a == sender);
+    if !admin && !matches!(msg, Control::Cancel { .. }) {
+        warn!(pool = %pool, sender, "ignoring a drain/ask-delete from a broker user not in control_admins");
+        return Ok(());
+    }
     match msg {
         Control::AskDelete { request_id } => {
             let answer = match ctx.shared.try_stop_for_delete() {
@@ -410,13 +436,17 @@ async fn on_control(
                 tokio::spawn(crate::heartbeat::report_drained(ctx.clone()));
             }
         }
-        Control::Cancel { job_id } => {
-            if ctx.shared.cancel(&job_id) {
-                info!(pool = %pool, job_id = %job_id, "cancel requested: stopping the job");
-            } else {
-                warn!(pool = %pool, job_id = %job_id, "cancel requested for a job not running here");
+        Control::Cancel { job_id } => match ctx.shared.cancel_by(&job_id, sender, admin) {
+            CancelOutcome::Cancelled => {
+                info!(pool = %pool, job_id = %job_id, sender, "cancel requested: stopping the job")
             }
-        }
+            CancelOutcome::Denied => {
+                warn!(pool = %pool, job_id = %job_id, sender, "cancel refused: the sender neither owns nor submitted the job")
+            }
+            CancelOutcome::NotHere => {
+                warn!(pool = %pool, job_id = %job_id, sender, "cancel requested for a job not running here")
+            }
+        },
     }
     Ok(())
 }

@@ -20,6 +20,21 @@ struct Claimed {
     pid: Option<Pid>,
     /// Stopped by the agent's shutdown, not by the job or a user.
     interrupted: bool,
+    /// Broker users who may cancel it besides the control admins: the
+    /// owner's name and the submitter it was judged by. Empty until the job
+    /// passed validation.
+    cancellers: Vec<String>,
+}
+
+/// Result of [`Shared::cancel_by`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The job runs here and was told to stop.
+    Cancelled,
+    /// The job runs here but the sender may not cancel it.
+    Denied,
+    /// No such job here.
+    NotHere,
 }
 
 #[derive(Debug)]
@@ -148,6 +163,7 @@ impl Shared {
                 cancel: CancellationToken::new(),
                 pid: None,
                 interrupted: false,
+                cancellers: Vec::new(),
             },
         );
     }
@@ -235,15 +251,25 @@ impl Shared {
         let _ = rx.wait_for(|n| *n == 0).await;
     }
 
-    /// Cancels job `key` (SIGTERM, then SIGKILL). Returns whether it was
-    /// claimed here.
-    pub fn cancel(&self, key: &str) -> bool {
+    /// Records who besides the control admins may cancel job `key` (its
+    /// owner and the submitter it was judged by).
+    pub fn set_cancellers(&self, key: &str, users: Vec<String>) {
+        if let Some(job) = self.lock().jobs.get_mut(key) {
+            job.cancellers = users;
+        }
+    }
+
+    /// Cancels job `key` (SIGTERM, then SIGKILL) on behalf of broker user
+    /// `by`, who must be a control admin (`admin`) or one of the job's
+    /// cancellers.
+    pub fn cancel_by(&self, key: &str, by: &str, admin: bool) -> CancelOutcome {
         match self.lock().jobs.get(key) {
-            Some(job) => {
+            Some(job) if admin || job.cancellers.iter().any(|u| u == by) => {
                 job.cancel.cancel();
-                true
+                CancelOutcome::Cancelled
             }
-            None => false,
+            Some(_) => CancelOutcome::Denied,
+            None => CancelOutcome::NotHere,
         }
     }
 

@@ -336,7 +336,9 @@ impl TestBroker {
             &self.topo.control_exchange(),
             agent,
             &msg.encode(),
-            json_properties::<Control>(),
+            // Agents authorise control messages by the broker-validated
+            // user_id; the harness connects as guest.
+            json_properties::<Control>().with_user_id("guest".into()),
             true,
             Duration::from_secs(10),
         )
@@ -620,7 +622,7 @@ pub fn start_agent(
     std::fs::write(
         &config,
         format!(
-            "heartbeat_secs = 0.5\n{extra_toml}\n[broker]\nurl = \"{}\"\n",
+            "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{extra_toml}\n[broker]\nurl = \"{}\"\n",
             broker_url()
         ),
     )?;
@@ -718,7 +720,7 @@ pub fn start_agent_in(
     let config = dir.join("jobagent.toml");
     std::fs::write(
         &config,
-        format!("heartbeat_secs = 0.5\n{extra_toml}\n[broker]\nurl = \"{url}\"\n"),
+        format!("heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{extra_toml}\n[broker]\nurl = \"{url}\"\n"),
     )?;
     let identity = dir.join("identity.toml");
     std::fs::write(

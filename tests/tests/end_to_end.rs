@@ -88,7 +88,7 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
     std::fs::write(
         &agent_cfg,
         format!(
-            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\n[submitters]\nsame_name = true\n"
+            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\ncontrol_admins = [\"guest\"]\n[submitters]\nsame_name = true\nrequeuers = [\"guest\"]\n"
         ),
     )?;
     // Declare the topology and tap events before anything is published.

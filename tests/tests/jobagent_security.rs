@@ -568,7 +568,7 @@ fn start_agent_with_state(
     std::fs::write(
         &config,
         format!(
-            "heartbeat_secs = 0.5\nkill_grace_secs = 1\n{extra}\n{TRUST_GUEST}\n[broker]\nurl = \"{}\"\n",
+            "heartbeat_secs = 0.5\nkill_grace_secs = 1\ncontrol_admins = [\"guest\"]\n{extra}\n{TRUST_GUEST}\n[broker]\nurl = \"{}\"\n",
             broker_url()
         ),
     )?;

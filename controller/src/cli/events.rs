@@ -288,6 +288,7 @@ pub(crate) mod tests {
             owner: owner.into(),
             pool: "p".into(),
             agent: agent.into(),
+            submitter: None,
             at,
             state,
         }

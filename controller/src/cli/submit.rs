@@ -485,12 +485,15 @@ async fn submit_on(
     let Some(mut consumer) = events else {
         return Ok(0);
     };
+    // Job ids are chosen by submitters: an event for the same id from
+    // another submitter's message is not about this job.
+    let me = settings.broker_user();
     while let Some(delivery) = consumer.next().await {
         let Ok(delivery) = delivery else { break };
         let Ok(event) = JobEvent::decode(&delivery.data) else {
             continue;
         };
-        if event.job_id != job.id {
+        if event.job_id != job.id || event.submitter.as_deref().is_some_and(|s| s != me) {
             continue;
         }
         match &event.state {
