@@ -4,7 +4,9 @@
 #   make packages       - .deb/.rpm of jobagent and vq-controller, controller OCI image, in target/packages/ (root)
 #   make packages-check - inspect and install-test them (clean Debian root, OCI image against vq-cloudsim)
 SHELL := /bin/bash
-MUSL_AGENT := $(CURDIR)/target/x86_64-unknown-linux-musl/release-agent/jobagent
+# Honour CARGO_TARGET_DIR like cargo does.
+TARGET_DIR := $(abspath $(or $(CARGO_TARGET_DIR),$(CURDIR)/target))
+MUSL_AGENT := $(TARGET_DIR)/x86_64-unknown-linux-musl/release-agent/jobagent
 
 .PHONY: demo test deps static-agent schemas packages packages-check
 

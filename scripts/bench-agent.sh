@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
 [ -n "${NO_BUILD:-}" ] || scripts/build-static-agent.sh >/dev/null
-BIN=target/x86_64-unknown-linux-musl/release-agent/jobagent
+BIN=${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release-agent/jobagent
 echo "binary: $BIN"
 echo "size_bytes $(stat -c %s "$BIN")"
 DIR=$(mktemp -d)

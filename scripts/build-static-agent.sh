@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked -p vq-jobagent --target x86_64-unknown-linux-musl --profile release-agent
-bin=target/x86_64-unknown-linux-musl/release-agent/jobagent
+bin=${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-musl/release-agent/jobagent
 desc=$(file -b "$bin")
 case "$desc" in
   *"statically linked"*|*"static-pie linked"*) echo "jobagent: $desc" ;;

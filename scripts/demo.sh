@@ -28,8 +28,9 @@ scripts/ensure-rabbitmq.sh
 say "building vq (release) and the static jobagent"
 cargo build --locked --release -p vq-controller -p vq-tests --bins
 scripts/build-static-agent.sh
-BIN=$ROOT/target/release
-AGENT=$ROOT/target/x86_64-unknown-linux-musl/release-agent/jobagent
+TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-$ROOT/target}")
+BIN=$TARGET_DIR/release
+AGENT=$TARGET_DIR/x86_64-unknown-linux-musl/release-agent/jobagent
 
 say "demo user $DEMO_USER (Unix account and broker account)"
 if ! id "$DEMO_USER" >/dev/null 2>&1; then

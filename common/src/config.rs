@@ -189,8 +189,8 @@ pub struct AgentConfig {
     pub control_admins: Vec<String>,
     /// Seconds between SIGTERM and SIGKILL when a job is stopped.
     pub kill_grace_secs: u64,
-    /// Umask of a job that gives none (octal in TOML strings is not
-    /// supported; write 18 for 022).
+    /// Umask of a job that gives none; write it as a TOML octal integer,
+    /// e.g. `0o022`.
     pub default_umask: u32,
     /// `PATH` given to jobs.
     pub job_path: String,

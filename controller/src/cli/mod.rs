@@ -240,8 +240,44 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
     }
 }
 
+/// `text` made safe for a terminal: control characters (escape sequences,
+/// NUL, newlines) are shown as `\u{..}` escapes. Job ids, names and owners
+/// come from other users' messages; printing them raw would let one user
+/// drive another's (or root's) terminal.
+pub fn printable(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_string();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// [`printable`] applied to each line of `table`, keeping the line breaks.
+pub fn printable_lines(table: &str) -> String {
+    table
+        .split_inclusive('\n')
+        .map(|line| match line.strip_suffix('\n') {
+            Some(l) => printable(l) + "\n",
+            None => printable(line),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn control_characters_are_escaped_for_the_terminal() {
+        assert_eq!(super::printable("plain-name_1.x"), "plain-name_1.x");
+        assert_eq!(super::printable("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\u{a}");
+    }
+
     use super::*;
 
     #[test]

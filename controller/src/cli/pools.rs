@@ -133,7 +133,7 @@ pub async fn run(settings: &Settings) -> Result<i32, CliError> {
         url: format!("{}/status", settings.controller_url),
         problem: "no \"pools\" object".into(),
     })?;
-    print!("{table}");
+    print!("{}", super::printable_lines(&table));
     Ok(0)
 }
 

@@ -123,7 +123,7 @@ pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result
     if shown.is_empty() {
         println!("no jobs");
     } else {
-        print!("{}", render(&shown, unix_now()));
+        print!("{}", super::printable_lines(&render(&shown, unix_now())));
     }
     Ok(0)
 }
