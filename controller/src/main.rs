@@ -98,12 +98,30 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
+    // OpenStack credentials (clouds.yaml / OS_*) are configuration too: a
+    // missing cloud fails at start, with the config's exit code.
+    let env = |k: &str| std::env::var(k).ok();
+    let creds = match vq_controller::openstack::Credentials::discover(&cfg.openstack, &env) {
+        Ok(c) => c,
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            eprintln!("vq-controller: OpenStack credentials: {msg}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
     if args.check_config {
         println!(
-            "{}: valid ({} pool(s): {})",
+            "{}: valid ({} pool(s): {}; OpenStack credentials from {})",
             args.config.display(),
             cfg.pools.len(),
-            cfg.pools.keys().cloned().collect::<Vec<_>>().join(", ")
+            cfg.pools.keys().cloned().collect::<Vec<_>>().join(", "),
+            creds.origin
         );
         return ExitCode::SUCCESS;
     }
