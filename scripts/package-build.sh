@@ -13,8 +13,11 @@ ROOT=$(pwd)
 OUT=$ROOT/target/packages
 GEN=$OUT/.gen
 MUSL=x86_64-unknown-linux-musl
-AGENT=$ROOT/target/$MUSL/release-agent/jobagent
-CTRL_DIR=$ROOT/target/$MUSL/release
+# Binaries where cargo puts them (CARGO_TARGET_DIR honoured); the packages
+# and the generated man pages/completions always in ./target/packages/.
+TARGET=$(realpath -m "${CARGO_TARGET_DIR:-target}")
+AGENT=$TARGET/$MUSL/release-agent/jobagent
+CTRL_DIR=$TARGET/$MUSL/release
 
 say() { printf '== %s\n' "$*"; }
 static_or_die() {

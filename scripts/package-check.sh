@@ -70,6 +70,16 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+# The Kubernetes example's Secret holds a controller.toml and a clouds.yaml
+# (cloud "mycloud", as every example config names): used below wherever
+# --check-config needs credentials it can resolve.
+python3 - "$ROOT/packaging/container/kubernetes.yaml" "$WORK" <<'EOF' || die "cannot read the Secret of packaging/container/kubernetes.yaml"
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+secret = next(d for d in docs if d["kind"] == "Secret")
+for name in ("controller.toml", "clouds.yaml"):
+    open(sys.argv[2] + "/k8s-" + name, "w").write(secret["stringData"][name])
+EOF
 
 say "1. the packaged jobagent binary"
 dpkg-deb -x "$DEB_AGENT" "$WORK/agent-deb"
@@ -204,6 +214,9 @@ print("ok   cloud-init template renders to valid #cloud-config; identity 0600 wr
 EOF
 check "configured by the cloud-init identity: --check-config passes" \
   eval 'in_root jobagent --check-config | grep -q "pool default agent vq-default-0001"'
+exec_start=$(sed -n 's/^ExecStart=//p' "$R"/usr/lib/systemd/system/jobagent.service "$R"/lib/systemd/system/jobagent.service 2>/dev/null | head -n1)
+check "the unit's ExecStart ($exec_start) is accepted by the agent" \
+  eval 'in_root $exec_start --check-config > /dev/null'
 va=$(in_root systemd-analyze verify --man=no jobagent.service 2>&1) \
   && ok "systemd-analyze verify jobagent.service" \
   || bad "systemd-analyze verify jobagent.service: $va"
@@ -233,7 +246,10 @@ check "vq-controller: system user vq created" eval 'in_root getent passwd vq | g
 check "vq-controller: /etc/vq/controller.toml is 0640 root:vq" test "$(stat -c '%a %U' "$R/etc/vq/controller.toml"):$(in_root stat -c %G /etc/vq/controller.toml)" = "640 root:vq"
 check "vq --version and vq-controller --version name the commit" \
   eval 'in_root vq --version | grep -q "(git $commit)" && in_root vq-controller --version | grep -q "(git $commit)"'
-check "vq-controller --check-config as user vq on the installed config" \
+mkdir -p "$R/etc/openstack"
+install -m 640 "$WORK/k8s-clouds.yaml" "$R/etc/openstack/clouds.yaml"
+in_root chgrp vq /etc/openstack/clouds.yaml
+check "vq-controller --check-config as user vq on the installed config (clouds.yaml of group vq)" \
   eval 'in_root setpriv --reuid=vq --regid=vq --clear-groups vq-controller --check-config > /dev/null'
 va=$(in_root systemd-analyze verify --man=no vq-controller.service 2>&1) \
   && ok "systemd-analyze verify vq-controller.service" \
@@ -284,11 +300,12 @@ check "rootfs: static vq-controller, CA bundle, user 65532, no shell" \
 # Run as a runtime would: chroot into the rootfs with the image's user and env.
 IMG_USER=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["config"]["User"])' "$WORK/image-config.json")
 mapfile -t IMG_ENV < <(python3 -c 'import json,sys; print("\n".join(json.load(open(sys.argv[1]))["config"]["Env"]))' "$WORK/image-config.json")
-check "image: vq-controller --check-config on the image's default config" \
+install -m 644 "$WORK/k8s-clouds.yaml" "$RF/etc/openstack/clouds.yaml"
+check "image: vq-controller --check-config on the image's default config (clouds.yaml in the volume)" \
   eval 'env -i "${IMG_ENV[@]}" chroot --userspec="$IMG_USER" "$RF" /usr/bin/vq-controller --check-config > /dev/null'
 
 scripts/ensure-rabbitmq.sh
-SIM=$ROOT/target/debug/vq-cloudsim
+SIM=$(realpath -m "${CARGO_TARGET_DIR:-target}")/debug/vq-cloudsim
 [ -x "$SIM" ] || cargo build --locked -p vq-tests --bin vq-cloudsim
 mkdir -p "$WORK/sim"
 cat > "$WORK/agent.toml" <<EOF
@@ -339,7 +356,7 @@ check "image: controller booted a server on vq-cloudsim whose packaged agent hea
 [ "$active" -ge 1 ] || { tail -n 20 "$WORK/controller.log" "$WORK/cloudsim.log" >&2; }
 
 say "5. examples"
-python3 - "$ROOT/packaging/container/compose.yaml" "$ROOT/packaging/container/kubernetes.yaml" "$WORK/k8s-controller.toml" <<'EOF' \
+python3 - "$ROOT/packaging/container/compose.yaml" "$ROOT/packaging/container/kubernetes.yaml" <<'EOF' \
   && ok "compose.yaml and kubernetes.yaml parse; probes use /healthz" || bad "compose/kubernetes examples"
 import sys, yaml
 compose = yaml.safe_load(open(sys.argv[1]))
@@ -350,11 +367,9 @@ assert {"Deployment", "Secret", "Service", "StatefulSet"} <= kinds, kinds
 dep = next(d for d in docs if d["kind"] == "Deployment")
 c = dep["spec"]["template"]["spec"]["containers"][0]
 assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-secret = next(d for d in docs if d["kind"] == "Secret")
-open(sys.argv[3], "w").write(secret["stringData"]["controller.toml"])
 EOF
-check "kubernetes.yaml: its controller.toml passes vq-controller --check-config" \
-  eval '"$RF/usr/bin/vq-controller" --check-config --config "$WORK/k8s-controller.toml" > /dev/null'
+check "kubernetes.yaml: its controller.toml and clouds.yaml pass vq-controller --check-config" \
+  eval 'env -i OS_CLIENT_CONFIG_FILE="$WORK/k8s-clouds.yaml" "$RF/usr/bin/vq-controller" --check-config --config "$WORK/k8s-controller.toml" > /dev/null'
 
 echo
 if [ "$FAILS" = 0 ]; then

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=$ROOT/target/packages
-BIN=$ROOT/target/x86_64-unknown-linux-musl/release
+BIN=$(realpath -m "${CARGO_TARGET_DIR:-target}")/x86_64-unknown-linux-musl/release
 VERSION=$(cargo metadata --no-deps --format-version 1 --locked \
   | python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"]=="vq-controller"))')
 CTX=$OUT/.image-context

@@ -114,14 +114,17 @@ fn host(cgroups: bool) -> &'static Host {
 
 /// Prepares the host once, at agent start: child subreaper, the agent's
 /// `oom_score_adj` ([`AGENT_OOM_SCORE_ADJ`]), cgroup detection, a
-/// root-only (0700) `state_dir` and its `running/` directory, and kills
-/// what is left of jobs of a previous agent recorded there.
+/// root-only (0700) `state_dir` and its `running/` and `reaping/`
+/// directories, and kills what is left of jobs of a previous agent recorded
+/// there. Runs before any session, so before a lease of a previous agent
+/// is recovered (run again here or failed): a job run again never shares
+/// the host with what is left of its previous run.
 pub fn prepare_host(cfg: &AgentConfig) {
     host(cfg.cgroups);
     secure_dir(&cfg.state_dir);
-    let running = cfg.state_dir.join("running");
-    secure_dir(&running);
-    recover_leftovers(&running);
+    secure_dir(&cfg.state_dir.join("running"));
+    secure_dir(&cfg.state_dir.join(REAPING));
+    recover_leftovers(&cfg.state_dir);
     if let Some(base) = &host(cfg.cgroups).cgroup_base {
         remove_stale_cgroups(base);
     }
@@ -448,77 +451,99 @@ fn write_record(dir: &Path, rec: &Record) {
     }
 }
 
-/// Kills what is left of the jobs recorded in `running` by a previous agent
-/// and removes the records.
-fn recover_leftovers(running: &Path) {
-    let Ok(dir) = std::fs::read_dir(running) else {
+/// Directory of `state_dir` holding the records of a previous agent's jobs
+/// while their leftovers are killed: they are no running jobs any more, and
+/// a recovery interrupted by a crash is completed by the next start.
+const REAPING: &str = "reaping";
+
+/// Kills what is left of the jobs recorded in `<state_dir>/running` by a
+/// previous agent and removes the records. Each record is first moved to
+/// `<state_dir>/reaping` (an atomic rename), so `running/` never lists a
+/// job whose processes are already dead, and the record is removed once
+/// the kill is done.
+fn recover_leftovers(state_dir: &Path) {
+    let running = state_dir.join("running");
+    let reaping = state_dir.join(REAPING);
+    if let Ok(dir) = std::fs::read_dir(&running) {
+        for entry in dir.flatten() {
+            if let Err(e) = std::fs::rename(entry.path(), reaping.join(entry.file_name())) {
+                warn!(path = %entry.path().display(), error = %e, "cannot move the record of a previous agent's job; it is removed after the kill");
+                reap(&entry.path());
+            }
+        }
+    }
+    let Ok(dir) = std::fs::read_dir(&reaping) else {
         return;
     };
     for entry in dir.flatten() {
-        let path = entry.path();
-        let rec: Option<Record> = std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
-        if let Some(rec) = rec {
-            let mut killed = 0;
-            match &rec.cgroup {
-                Some(cg) if cg.is_dir() => {
-                    for _ in 0..50 {
-                        let pids = cgroup_pids(cg);
-                        if pids.is_empty() {
-                            break;
-                        }
-                        killed = killed.max(pids.len());
-                        cgroup_kill(cg);
-                        std::thread::sleep(Duration::from_millis(100));
+        reap(&entry.path());
+    }
+}
+
+/// Kills what is left of the job recorded at `path` and removes the record.
+fn reap(path: &Path) {
+    let rec: Option<Record> = std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    if let Some(rec) = rec {
+        let mut killed = 0;
+        match &rec.cgroup {
+            Some(cg) if cg.is_dir() => {
+                for _ in 0..50 {
+                    let pids = cgroup_pids(cg);
+                    if pids.is_empty() {
+                        break;
                     }
-                    let _ = std::fs::remove_dir(cg);
+                    killed = killed.max(pids.len());
+                    cgroup_kill(cg);
+                    std::thread::sleep(Duration::from_millis(100));
                 }
-                _ => {
-                    let leader_alive =
-                        proc_stat(rec.pid).is_some_and(|st| st.starttime == rec.starttime);
-                    let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
-                    for pid in all_pids() {
-                        if let Some(st) = proc_stat(pid) {
-                            stats.insert(pid, st);
-                        }
+                let _ = std::fs::remove_dir(cg);
+            }
+            _ => {
+                let leader_alive =
+                    proc_stat(rec.pid).is_some_and(|st| st.starttime == rec.starttime);
+                let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
+                for pid in all_pids() {
+                    if let Some(st) = proc_stat(pid) {
+                        stats.insert(pid, st);
                     }
-                    let mut doomed: BTreeSet<i32> = stats
+                }
+                let mut doomed: BTreeSet<i32> = stats
+                    .iter()
+                    .filter(|(pid, st)| {
+                        let known = rec
+                            .members
+                            .iter()
+                            .any(|(p, start)| p == *pid && *start == st.starttime);
+                        let in_session = (st.session == rec.pid || st.pgrp == rec.pid)
+                            && (leader_alive || **pid != rec.pid)
+                            && proc_uid(**pid) == Some(rec.uid);
+                        known || in_session
+                    })
+                    .map(|(pid, _)| *pid)
+                    .collect();
+                loop {
+                    let more: Vec<i32> = stats
                         .iter()
-                        .filter(|(pid, st)| {
-                            let known = rec
-                                .members
-                                .iter()
-                                .any(|(p, start)| p == *pid && *start == st.starttime);
-                            let in_session = (st.session == rec.pid || st.pgrp == rec.pid)
-                                && (leader_alive || **pid != rec.pid)
-                                && proc_uid(**pid) == Some(rec.uid);
-                            known || in_session
-                        })
+                        .filter(|(pid, st)| doomed.contains(&st.ppid) && !doomed.contains(pid))
                         .map(|(pid, _)| *pid)
                         .collect();
-                    loop {
-                        let more: Vec<i32> = stats
-                            .iter()
-                            .filter(|(pid, st)| doomed.contains(&st.ppid) && !doomed.contains(pid))
-                            .map(|(pid, _)| *pid)
-                            .collect();
-                        if more.is_empty() {
-                            break;
-                        }
-                        doomed.extend(more);
+                    if more.is_empty() {
+                        break;
                     }
-                    doomed.remove(&(std::process::id() as i32));
-                    for pid in &doomed {
-                        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
-                    }
-                    killed = doomed.len();
+                    doomed.extend(more);
                 }
+                doomed.remove(&(std::process::id() as i32));
+                for pid in &doomed {
+                    let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                }
+                killed = doomed.len();
             }
-            warn!(job_id = %rec.job_id, pid = rec.pid, processes = killed, "killed what was left of a job of a previous agent");
         }
-        let _ = std::fs::remove_file(&path);
+        warn!(job_id = %rec.job_id, pid = rec.pid, processes = killed, "killed what was left of a job of a previous agent");
     }
+    let _ = std::fs::remove_file(path);
 }
 
 // ------------------------------------------------------------ the job
@@ -853,6 +878,7 @@ mod tests {
     fn records_round_trip_and_recovery_removes_stale_ones() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("running")).unwrap();
+        std::fs::create_dir(dir.path().join(REAPING)).unwrap();
         let rec = Record {
             job_id: "1-x".into(),
             pid: 999_999_999,
@@ -864,7 +890,9 @@ mod tests {
         write_record(dir.path(), &rec);
         let path = record_path(dir.path(), Pid::from_raw(rec.pid));
         assert!(path.exists());
-        recover_leftovers(&dir.path().join("running"));
+        recover_leftovers(dir.path());
         assert!(!path.exists());
+        let reaping = std::fs::read_dir(dir.path().join(REAPING)).unwrap().count();
+        assert_eq!(reaping, 0, "records left in {REAPING}/");
     }
 }

@@ -336,7 +336,11 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
         let agent_id = format!("{cluster}-r{trial}");
         let agent = start_agent_url(&url, &cluster, pool, &agent_id, TRUST_GUEST)?;
         wait_agent_up(&mut tap, &agent_id).await?;
-        let j = job(pool, &alice.name, &format!("race{trial}"), "true");
+        // The job must still be held when the question arrives (at most
+        // 40 ms after it): a `true` job can be claimed, run, reported and
+        // released within that window, and an agent that took and finished
+        // a job before the question is rightly idle and says yes.
+        let j = job(pool, &alice.name, &format!("race{trial}"), "sleep 1");
         let request_id = format!("req-{trial}");
         let ask = Control::AskDelete {
             request_id: request_id.clone(),
