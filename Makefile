@@ -1,6 +1,6 @@
 # vq: the two set-up commands of README.md, plus packaging helpers.
 #   make demo   - the demo on the embedded test cloud (root)
-#   make test   - every gate and test (root)
+#   make test   - every gate and test, including packages-check (root)
 #   make packages       - .deb/.rpm of jobagent and vq-controller, controller OCI image, in target/packages/ (root)
 #   make packages-check - inspect and install-test them (clean Debian root, OCI image against vq-cloudsim)
 SHELL := /bin/bash
@@ -28,6 +28,7 @@ test:
 	cargo build --locked --workspace --bins
 	VQ_JOBAGENT_BIN=$(MUSL_AGENT) cargo test --locked --workspace --no-fail-fast -- --include-ignored
 	cargo clippy --locked --workspace --all-targets -- -D warnings
+	@$(MAKE) --no-print-directory packages-check
 
 # Regenerates schemas/*.json from the message types.
 schemas:
