@@ -24,11 +24,14 @@ demo:
 test:
 	@scripts/require-root.sh test
 	@$(MAKE) --no-print-directory static-agent
+	@scripts/purge-test-broker.sh
 	cargo fmt --all -- --check
 	cargo build --locked --workspace --bins
 	VQ_JOBAGENT_BIN=$(MUSL_AGENT) cargo test --locked --workspace --no-fail-fast -- --include-ignored
+	@scripts/purge-test-broker.sh
 	cargo clippy --locked --workspace --all-targets -- -D warnings
 	@$(MAKE) --no-print-directory packages-check
+	@scripts/purge-test-broker.sh
 
 # Regenerates schemas/*.json from the message types.
 schemas:
