@@ -292,6 +292,10 @@ impl Broker {
     /// [`AmqpError`].
     pub async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
         let channel = self.channel().await?;
+        if let Control::AskDelete { request_id } = msg {
+            // Before publishing: the answer may arrive before the confirm.
+            remember_ask(&mut self.shared_lock(), agent, request_id);
+        }
         // The agent authorises control messages by the broker-validated
         // user_id (its `control_admins`), so it must be set.
         let mut props = amqp::json_properties::<Control>();
@@ -744,19 +748,23 @@ fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicPropert
     p
 }
 
+/// Remembers that ask-delete `request_id` goes to `agent`, so that only
+/// its answer can allow the agent's VM to be deleted.
+pub fn remember_ask(shared: &mut Shared, agent: &str, request_id: &str) {
+    shared
+        .agents
+        .entry(agent.to_string())
+        .or_default()
+        .remember_ask(request_id);
+}
+
 /// Records one agent event (by routing key `agent.<pool>.<word>`).
 pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Instant) {
     let word = routing_key.rsplit('.').next().unwrap_or_default();
     match word {
         "heartbeat" | "drained" => match Heartbeat::decode(body) {
             Ok(hb) => {
-                let rec = shared
-                    .agents
-                    .entry(hb.agent.clone())
-                    .or_insert_with(|| AgentRecord {
-                        heartbeat: None,
-                        answer: None,
-                    });
+                let rec = shared.agents.entry(hb.agent.clone()).or_default();
                 rec.heartbeat = Some((hb, at));
             }
             Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed heartbeat"),
@@ -767,13 +775,13 @@ pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Ins
                     pool = %ans.pool, agent = %ans.agent, may_delete = ans.may_delete,
                     running = ans.running.len(), "agent answered ask-delete"
                 );
-                let rec = shared
-                    .agents
-                    .entry(ans.agent.clone())
-                    .or_insert_with(|| AgentRecord {
-                        heartbeat: None,
-                        answer: None,
-                    });
+                let rec = shared.agents.entry(ans.agent.clone()).or_default();
+                if !rec.asked_for(&ans.request_id) {
+                    tracing::warn!(
+                        pool = %ans.pool, agent = %ans.agent, request_id = %ans.request_id,
+                        "delete answer to a request this controller did not send (restarted?); it never allows a deletion"
+                    );
+                }
                 rec.answer = Some((ans, at));
             }
             Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed delete answer"),
@@ -896,5 +904,67 @@ mod tests {
         );
         assert!(!rec.answer.as_ref().unwrap().0.may_delete);
         assert_eq!(s.agents.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_answers_to_remembered_request_ids_are_matched() {
+        let mut s = Shared::default();
+        let t = Instant::now();
+        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"drained","slots":1,"running":[],"is_pull":false,"is_del":true,"idle_secs":99,"interval_secs":10,"at":0}"#;
+        record_event(&mut s, "agent.cms.heartbeat", hb, t);
+        let ans = |id: &str| {
+            format!(
+                r#"{{"agent":"vq-cms-1","pool":"cms","request_id":"{id}","may_delete":true,"running":[],"at":0}}"#
+            )
+        };
+        let matched = |s: &Shared| {
+            let server = crate::openstack::Server {
+                id: "id1".into(),
+                name: "vq-cms-1".into(),
+                status: "ACTIVE".into(),
+                task_state: None,
+                created: Some(0.0),
+                metadata: [
+                    (crate::openstack::META_CLUSTER.to_string(), "vq".to_string()),
+                    (crate::openstack::META_POOL.to_string(), "cms".to_string()),
+                ]
+                .into(),
+                tags: vec![],
+                fault: None,
+            };
+            let o = crate::observe::assemble(
+                "vq",
+                "cms",
+                &[server],
+                &s.agents,
+                None,
+                0,
+                None,
+                crate::observe::Clock {
+                    now: Instant::now(),
+                    unix_now: 100.0,
+                    listening_secs: 1000.0,
+                },
+            );
+            o.servers[0]
+                .agent
+                .as_ref()
+                .unwrap()
+                .answer
+                .as_ref()
+                .map(|a| a.matched)
+        };
+        // A yes to an id this controller never sent (e.g. before a restart).
+        record_event(&mut s, "agent.cms.answer", ans("old").as_bytes(), t);
+        assert_eq!(matched(&s), Some(false));
+        remember_ask(&mut s, "vq-cms-1", "r1");
+        record_event(&mut s, "agent.cms.answer", ans("r1").as_bytes(), t);
+        assert_eq!(matched(&s), Some(true));
+        // Only the last few ids are kept.
+        for i in 0..crate::observe::ASKED_KEPT {
+            remember_ask(&mut s, "vq-cms-1", &format!("n{i}"));
+        }
+        assert_eq!(matched(&s), Some(false));
+        assert_eq!(s.agents["vq-cms-1"].asked.len(), crate::observe::ASKED_KEPT);
     }
 }

@@ -54,6 +54,10 @@ pub struct AnswerSeen {
     pub may_delete: bool,
     /// Jobs it said were running.
     pub running: u32,
+    /// Whether its request id is one this controller sent to this agent
+    /// (since the controller started). Only a matched yes lets a live
+    /// agent's VM be deleted.
+    pub matched: bool,
 }
 
 /// What the controller last heard from an agent.
@@ -114,12 +118,34 @@ pub struct Observed {
 }
 
 /// A heartbeat or answer with the controller's receive time.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct AgentRecord {
     /// Last heartbeat and when it arrived.
     pub heartbeat: Option<(Heartbeat, Instant)>,
     /// Last delete answer and when it arrived.
     pub answer: Option<(DeleteAnswer, Instant)>,
+    /// Request ids of the ask-deletes this controller sent to the agent,
+    /// oldest first, at most [`ASKED_KEPT`]. Soft state: lost on restart,
+    /// after which the agent is simply asked again.
+    pub asked: Vec<String>,
+}
+
+/// Request ids remembered per agent.
+pub const ASKED_KEPT: usize = 8;
+
+impl AgentRecord {
+    /// Remembers that ask-delete `request_id` was sent (call it before
+    /// sending, so an answer cannot arrive first).
+    pub fn remember_ask(&mut self, request_id: &str) {
+        self.asked.push(request_id.to_string());
+        let excess = self.asked.len().saturating_sub(ASKED_KEPT);
+        self.asked.drain(..excess);
+    }
+
+    /// Whether `request_id` is one this controller sent.
+    pub fn asked_for(&self, request_id: &str) -> bool {
+        self.asked.iter().any(|r| r == request_id)
+    }
 }
 
 /// Latest demand per pool with its receive time.
@@ -170,6 +196,7 @@ pub fn assemble(
                     age_secs: age(*at),
                     may_delete: a.may_delete,
                     running: a.running.len() as u32,
+                    matched: rec.asked_for(&a.request_id),
                 });
                 Some(AgentSeen {
                     heartbeat_age_secs: age(*at),
@@ -267,6 +294,7 @@ mod tests {
             AgentRecord {
                 heartbeat: Some((hb("a", 2), t0)),
                 answer: None,
+                asked: Vec::new(),
             },
         );
         let demand = (

@@ -13,9 +13,10 @@
 //!   up to `-VN` idle agents (idle at least `idle_secs`) whether they may be
 //!   deleted.
 //!
-//! Deleted are: servers whose agent agreed (`is_del` / `may_delete`, no job
-//! running), ERROR servers, servers stuck in BUILD, servers whose agent
-//! never heartbeated within the boot timeout (black holes) and servers whose
+//! Deleted are: servers whose agent agreed (an explicit `may_delete` answer
+//! matched to a request id this controller sent, no job running; agents
+//! that report `is_del` or drained without one are asked again), ERROR
+//! servers, servers stuck in BUILD, servers whose agent never heartbeated within the boot timeout (black holes) and servers whose
 //! agent stopped heartbeating (dead). The last two only once the controller
 //! has listened for a whole heartbeat timeout. A server whose agent's live
 //! heartbeat shows a running job is never deleted or asked.
@@ -195,14 +196,19 @@ pub fn classify(s: &ObservedServer, pool: &PoolConfig, obs: &Observed, t: Timing
     let listened = obs.listening_secs >= t.heartbeat_timeout_secs;
     match &s.agent {
         Some(a) if a.heartbeat_age_secs <= t.heartbeat_timeout_secs => {
-            let answer_newer = a
+            // Only an explicit yes to a request this controller sent
+            // counts; `is_del` alone (e.g. after a controller restart)
+            // gets the agent asked again.
+            let matched_yes = a
                 .answer
                 .as_ref()
-                .filter(|ans| ans.age_secs < a.heartbeat_age_secs);
-            let agreed = match answer_newer {
-                Some(ans) => ans.may_delete && ans.running == 0 && a.running == 0,
-                None => (a.is_del || a.state == AgentState::Drained) && a.running == 0,
-            };
+                .filter(|ans| ans.matched && ans.may_delete && ans.running == 0);
+            let agreed = a.running == 0
+                && match matched_yes {
+                    // A later heartbeat must still show it out of service.
+                    Some(ans) => ans.age_secs < a.heartbeat_age_secs || a.is_del,
+                    None => false,
+                };
             if agreed {
                 Class::Agreed
             } else if a.state == AgentState::Draining || a.state == AgentState::Drained || a.is_del
@@ -291,6 +297,28 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 name: s.name.clone(),
                 cause,
                 reason: delete_reason(cause, s, pool, t),
+            });
+        }
+    }
+    // Agents out of service without a matched yes (said `is_del` or
+    // drained before this controller asked, e.g. before a restart): ask
+    // them, their fresh yes lets them go.
+    for (s, c) in obs.servers.iter().zip(&classes) {
+        if *c != Class::Draining {
+            continue;
+        }
+        if let Some(a) = s
+            .agent
+            .as_ref()
+            .filter(|a| a.running == 0 && (a.is_del || a.state == AgentState::Drained))
+        {
+            actions.push(Action::AskDelete {
+                server_id: s.id.clone(),
+                agent: s.name.clone(),
+                reason: format!(
+                    "agent reports {} with no job running, but this controller holds no matching yes: asking (again)",
+                    if a.is_del { "is_del" } else { "drained" }
+                ),
             });
         }
     }
@@ -631,12 +659,14 @@ mod tests {
             age_secs: 1.0,
             may_delete: true,
             running: 0,
+            matched: true,
         });
         let mut no = agent(1, 0.0, 5.0);
         no.answer = Some(AnswerSeen {
             age_secs: 1.0,
             may_delete: false,
             running: 1,
+            matched: true,
         });
         let mut del_but_busy = agent(1, 0.0, 1.0);
         del_but_busy.is_del = true;
@@ -649,6 +679,102 @@ mod tests {
         assert_eq!(deletes(&p), vec![("yes".into(), DeleteCause::Agreed)]);
     }
 
+    fn yes(matched: bool, age_secs: f64) -> Option<AnswerSeen> {
+        Some(AnswerSeen {
+            age_secs,
+            may_delete: true,
+            running: 0,
+            matched,
+        })
+    }
+
+    #[test]
+    fn only_a_yes_matched_to_our_request_id_deletes() {
+        // A yes to a request this controller never sent (forged, or from
+        // before a restart) deletes nothing.
+        let mut stranger = agent(0, 500.0, 5.0);
+        stranger.answer = yes(false, 1.0);
+        let p = plan(
+            &obs(
+                vec![srv("a", NovaStatus::Active, 900.0, Some(stranger.clone()))],
+                5,
+                0,
+            ),
+            &pool(0, 10, 1),
+            T,
+        );
+        assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+        // The same with a matching request id is deleted.
+        stranger.answer = yes(true, 1.0);
+        let p = plan(
+            &obs(
+                vec![srv("a", NovaStatus::Active, 900.0, Some(stranger))],
+                5,
+                0,
+            ),
+            &pool(0, 10, 1),
+            T,
+        );
+        assert_eq!(deletes(&p), vec![("a".into(), DeleteCause::Agreed)]);
+    }
+
+    #[test]
+    fn is_del_alone_is_not_enough_the_agent_is_asked_again() {
+        // After a controller restart: the heartbeat says is_del, but no
+        // matching answer is known.
+        let mut del = agent(0, 500.0, 2.0);
+        del.is_del = true;
+        del.state = AgentState::Drained;
+        let mut drained = agent(0, 500.0, 2.0);
+        drained.state = AgentState::Drained;
+        let mut del_busy = agent(1, 0.0, 2.0);
+        del_busy.is_del = true;
+        del_busy.state = AgentState::Draining;
+        let s = vec![
+            srv("del", NovaStatus::Active, 900.0, Some(del.clone())),
+            srv("drained", NovaStatus::Active, 900.0, Some(drained)),
+            srv("busy", NovaStatus::Active, 900.0, Some(del_busy)),
+        ];
+        let p = plan(&obs(s, 0, 1), &pool(0, 10, 1), T);
+        assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+        assert_eq!(asks(&p), vec!["del".to_string(), "drained".to_string()]);
+        assert!(p.actions[0].reason().contains("no matching yes"));
+        // Its fresh yes, matched, arrives (older than the next heartbeat,
+        // which still says is_del): deleted.
+        del.answer = yes(true, 4.0);
+        let p = plan(
+            &obs(
+                vec![srv("del", NovaStatus::Active, 900.0, Some(del.clone()))],
+                0,
+                0,
+            ),
+            &pool(0, 10, 1),
+            T,
+        );
+        assert_eq!(deletes(&p), vec![("del".into(), DeleteCause::Agreed)]);
+        assert!(asks(&p).is_empty());
+        // A later heartbeat showing a job running wins over the yes.
+        del.running = 1;
+        let p = plan(
+            &obs(vec![srv("del", NovaStatus::Active, 900.0, Some(del))], 0, 1),
+            &pool(0, 10, 1),
+            T,
+        );
+        assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+    }
+
+    #[test]
+    fn a_dead_agent_is_deleted_without_any_answer() {
+        let s = vec![srv(
+            "gone",
+            NovaStatus::Active,
+            900.0,
+            Some(agent(0, 0.0, 120.0)),
+        )];
+        let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+        assert_eq!(deletes(&p), vec![("gone".into(), DeleteCause::Dead)]);
+    }
+
     // ------------------------------------------------------------ properties
 
     fn arb_agent() -> impl Strategy<Value = AgentSeen> {
@@ -658,7 +784,7 @@ mod tests {
             0.0f64..200.0,
             any::<bool>(),
             0u8..4,
-            proptest::option::of((0.0f64..200.0, any::<bool>(), 0u32..2)),
+            proptest::option::of((0.0f64..200.0, any::<bool>(), 0u32..2, any::<bool>())),
         )
             .prop_map(|(running, idle, age, is_del, st, ans)| AgentSeen {
                 heartbeat_age_secs: age,
@@ -671,10 +797,11 @@ mod tests {
                 running,
                 is_del,
                 idle_secs: idle,
-                answer: ans.map(|(a, m, r)| AnswerSeen {
+                answer: ans.map(|(a, m, r, matched)| AnswerSeen {
                     age_secs: a,
                     may_delete: m,
                     running: r,
+                    matched,
                 }),
             })
     }
@@ -758,6 +885,21 @@ mod tests {
         }
 
         #[test]
+        fn agreed_deletions_need_a_matched_yes((o, p) in arb_case()) {
+            let pl = plan(&o, &p, T);
+            for a in &pl.actions {
+                if let Action::Delete { server_id, cause: DeleteCause::Agreed, .. } = a {
+                    let s = o.servers.iter().find(|s| &s.id == server_id).unwrap();
+                    let ans = s.agent.as_ref().and_then(|a| a.answer.as_ref());
+                    prop_assert!(
+                        ans.is_some_and(|ans| ans.matched && ans.may_delete),
+                        "{:?} without a matched yes: {:?}", a, s
+                    );
+                }
+            }
+        }
+
+        #[test]
         fn nothing_is_deleted_as_dead_or_missing_before_listening_a_timeout((o, p) in arb_case()) {
             let pl = plan(&o, &p, T);
             if o.listening_secs < T.heartbeat_timeout_secs {
@@ -803,8 +945,16 @@ mod tests {
                         Action::AskDelete { server_id, .. } => {
                             let s = o.servers.iter_mut().find(|s| s.id == server_id).unwrap();
                             let ag = s.agent.as_mut().unwrap();
-                            ag.is_del = true;
-                            ag.state = AgentState::Drained;
+                            if ag.running == 0 {
+                                ag.is_del = true;
+                                ag.state = AgentState::Drained;
+                                ag.answer = Some(AnswerSeen {
+                                    age_secs: 0.0,
+                                    may_delete: true,
+                                    running: 0,
+                                    matched: true,
+                                });
+                            }
                         }
                         Action::Delete { server_id, .. } => {
                             o.servers.retain(|s| s.id != server_id);

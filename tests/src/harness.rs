@@ -843,3 +843,72 @@ impl TestBroker {
         Ok(out)
     }
 }
+
+/// A jobagent start with every knob: broker keys beyond the URL (e.g.
+/// `ca_file = "/x/ca.pem"`) and its stderr sent to a file.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentLaunch<'a> {
+    /// Broker URL.
+    pub url: &'a str,
+    /// Cluster.
+    pub cluster: &'a str,
+    /// Pool.
+    pub pool: &'a str,
+    /// Agent id.
+    pub agent_id: &'a str,
+    /// Top-level config lines (as `extra_toml` of [`start_agent_in`]).
+    pub extra_toml: &'a str,
+    /// Lines added to the `[broker]` table.
+    pub broker_toml: &'a str,
+    /// Directory for the config, identity and state directory.
+    pub dir: &'a Path,
+    /// File the agent's stderr (its log) goes to (`None`: the test's).
+    pub stderr: Option<&'a Path>,
+}
+
+impl AgentLaunch<'_> {
+    /// Writes the config and identity into `dir` and starts `jobagent`.
+    ///
+    /// # Errors
+    /// If the binary cannot be built, a file written, or the process
+    /// started.
+    pub fn spawn(&self) -> anyhow::Result<ChildGuard> {
+        let bin = build_bin("vq-jobagent", "jobagent")?;
+        let config = self.dir.join("jobagent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{}\n[broker]\nurl = \"{}\"\n{}\n",
+                self.extra_toml, self.url, self.broker_toml
+            ),
+        )?;
+        let identity = self.dir.join("identity.toml");
+        std::fs::write(
+            &identity,
+            format!(
+                "cluster = \"{}\"\npool = \"{}\"\nagent_id = \"{}\"\n",
+                self.cluster, self.pool, self.agent_id
+            ),
+        )?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("--config")
+            .arg(&config)
+            .arg("--identity")
+            .arg(&identity)
+            .arg("--state-dir")
+            .arg(self.dir.join("state"));
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("VQ_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        );
+        if let Some(path) = self.stderr {
+            cmd.stderr(std::fs::File::create(path)?);
+        }
+        ChildGuard::spawn(cmd)
+    }
+}

@@ -34,6 +34,21 @@ pub struct NodeOptions {
     pub channel_tick_ms: Option<u64>,
     /// How long a start may take before it counts as failed.
     pub start_timeout: Duration,
+    /// An AMQPS listener too (`None`: plain AMQP only).
+    pub tls: Option<TlsListener>,
+}
+
+/// PEM files of an AMQPS listener on 127.0.0.1 (a free port is picked; see
+/// [`RabbitNode::tls_port`]). Peers are not asked for certificates
+/// (`verify_none`).
+#[derive(Debug, Clone)]
+pub struct TlsListener {
+    /// CA certificate(s).
+    pub cacertfile: PathBuf,
+    /// Server certificate.
+    pub certfile: PathBuf,
+    /// Server private key.
+    pub keyfile: PathBuf,
 }
 
 impl Default for NodeOptions {
@@ -42,6 +57,7 @@ impl Default for NodeOptions {
             consumer_timeout_ms: None,
             channel_tick_ms: None,
             start_timeout: Duration::from_secs(60),
+            tls: None,
         }
     }
 }
@@ -58,6 +74,7 @@ pub struct RabbitNode {
     epmd: Option<Child>,
     server: Option<Child>,
     opts: NodeOptions,
+    tls_port: Option<u16>,
     /// Duration of the last successful start.
     pub last_start: Duration,
 }
@@ -103,6 +120,24 @@ impl RabbitNode {
         if let Some(ms) = opts.consumer_timeout_ms {
             conf.push_str(&format!("consumer_timeout = {ms}\n"));
         }
+        let tls_port = match &opts.tls {
+            Some(t) => {
+                let port = free_port()?;
+                conf.push_str(&format!(
+                    "listeners.ssl.default = 127.0.0.1:{port}\n\
+                     ssl_options.cacertfile = {}\n\
+                     ssl_options.certfile = {}\n\
+                     ssl_options.keyfile = {}\n\
+                     ssl_options.verify = verify_none\n\
+                     ssl_options.fail_if_no_peer_cert = false\n",
+                    t.cacertfile.display(),
+                    t.certfile.display(),
+                    t.keyfile.display()
+                ));
+                Some(port)
+            }
+            None => None,
+        };
         std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
         std::fs::write(dir.path().join("enabled_plugins"), "[].\n")?;
         let cookie = dir.path().join("home/.erlang.cookie");
@@ -120,6 +155,7 @@ impl RabbitNode {
             epmd: None,
             server: None,
             opts,
+            tls_port,
             last_start: Duration::ZERO,
         };
         n.start_epmd()?;
@@ -140,6 +176,11 @@ impl RabbitNode {
     /// The AMQP port on 127.0.0.1.
     pub fn port(&self) -> u16 {
         self.amqp_port
+    }
+
+    /// The AMQPS port on 127.0.0.1, if [`NodeOptions::tls`] was set.
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
     }
 
     /// `amqp://guest:guest@127.0.0.1:<port>/%2f`.

@@ -1,0 +1,261 @@
+//! AMQPS against a private RabbitMQ node with a TLS listener, certificates
+//! made by the `openssl` CLI at test time (a CA and a server certificate
+//! for `localhost` / 127.0.0.1):
+//!
+//! * a jobagent configured with an `amqps://` URL and `ca_file` connects
+//!   and runs a job;
+//! * with a CA that did not sign the server certificate, both
+//!   `vq_common::amqp::connect` and the agent fail quickly with a clear
+//!   certificate error instead of hanging.
+//!
+//! Client certificates are not covered (vq's broker config has no client
+//! certificate option).
+//!
+//! Root only: `cargo test -p vq-tests --test faults_tls -- --include-ignored`.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use vq_common::config::BrokerConfig;
+use vq_tests::harness::{
+    ensure_test_user, job, require_root, unique_cluster, wait_agent_up, AgentLaunch, TestBroker,
+};
+use vq_tests::rabbit_node::{NodeOptions, RabbitNode, TlsListener};
+
+const POOL: &str = "tls";
+const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+
+fn openssl(dir: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .context("run openssl")?;
+    if !out.status.success() {
+        bail!(
+            "openssl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Writes `<name>-ca.pem`/`<name>-ca.key` (a self-signed CA) into `dir`.
+fn make_ca(dir: &Path, name: &str) -> anyhow::Result<()> {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=vq test CA {name}"),
+            "-keyout",
+            &format!("{name}-ca.key"),
+            "-out",
+            &format!("{name}-ca.pem"),
+        ],
+    )
+}
+
+/// Writes `server.pem`/`server.key` signed by CA `ca` into `dir`.
+fn make_server_cert(dir: &Path, ca: &str) -> anyhow::Result<()> {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    )?;
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName = IP:127.0.0.1, DNS:localhost\n\
+         basicConstraints = CA:FALSE\n\
+         keyUsage = digitalSignature, keyEncipherment\n\
+         extendedKeyUsage = serverAuth\n",
+    )?;
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            &format!("{ca}-ca.pem"),
+            "-CAkey",
+            &format!("{ca}-ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+            "-out",
+            "server.pem",
+        ],
+    )
+}
+
+/// Waits up to `timeout` for `path` to contain `needle`; returns the text.
+fn wait_log(path: &Path, needle: &str, timeout: Duration) -> anyhow::Result<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            return Ok(text);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "no {needle:?} in {} after {timeout:?}:\n{text}",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wrong_one(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let certs = tempfile::Builder::new().prefix("vq-tls-").tempdir()?;
+    make_ca(certs.path(), "good")?;
+    make_ca(certs.path(), "other")?;
+    make_server_cert(certs.path(), "good")?;
+    let good_ca = certs.path().join("good-ca.pem");
+    let other_ca = certs.path().join("other-ca.pem");
+    let node = RabbitNode::start_new(NodeOptions {
+        tls: Some(TlsListener {
+            cacertfile: good_ca.clone(),
+            certfile: certs.path().join("server.pem"),
+            keyfile: certs.path().join("server.key"),
+        }),
+        ..Default::default()
+    })
+    .await?;
+    let tls_port = node.tls_port().context("no TLS port")?;
+    // guest may log in from loopback only: localhost is loopback.
+    let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
+
+    // The library: the right CA connects, a wrong one fails fast.
+    let cfg = |ca: &Path| BrokerConfig {
+        url: tls_url.clone(),
+        ca_file: Some(ca.to_path_buf()),
+        connect_timeout_secs: 20,
+        ..Default::default()
+    };
+    let conn = vq_common::amqp::connect(&cfg(&good_ca), "vq-tests tls").await?;
+    let _ = conn.close(200, "ok".into()).await;
+    let t0 = Instant::now();
+    let err = match vq_common::amqp::connect(&cfg(&other_ca), "vq-tests tls wrong ca").await {
+        Ok(_) => bail!("connected although the CA did not sign the server certificate"),
+        Err(e) => e,
+    };
+    let elapsed = t0.elapsed();
+    let text = format!("{err:#} {:?}", std::error::Error::source(&err));
+    eprintln!("wrong CA error after {elapsed:?}: {text}");
+    ensure!(
+        elapsed < Duration::from_secs(10),
+        "wrong CA took {elapsed:?} (timeout 20 s): a hang, not an error"
+    );
+    ensure!(
+        text.to_lowercase().contains("certificate") || text.contains("UnknownIssuer"),
+        "the error does not say it is about the certificate: {text}"
+    );
+
+    // An agent over amqps with the right CA runs a job.
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let good_dir = tempfile::tempdir()?;
+    let good_log = good_dir.path().join("agent.log");
+    let good_id = format!("{cluster}-tls1");
+    let broker_toml = format!("ca_file = \"{}\"\n", good_ca.display());
+    let _good = AgentLaunch {
+        url: &tls_url,
+        cluster: &cluster,
+        pool: POOL,
+        agent_id: &good_id,
+        extra_toml: TRUST_GUEST,
+        broker_toml: &broker_toml,
+        dir: good_dir.path(),
+        stderr: Some(&good_log),
+    }
+    .spawn()?;
+    wait_agent_up(&mut tap, &good_id).await.with_context(|| {
+        format!(
+            "agent log:\n{}",
+            std::fs::read_to_string(&good_log).unwrap_or_default()
+        )
+    })?;
+    let j = job(POOL, &alice.name, "tls", "echo over-tls\n");
+    broker.publish_job(&j, Some("guest")).await?;
+    let fin = tap
+        .job_event(&j.id, "finished", Duration::from_secs(30))
+        .await?;
+    ensure!(
+        fin["agent"] == good_id.as_str(),
+        "finished on the wrong agent: {fin}"
+    );
+
+    // An agent with a CA that did not sign the server's certificate logs a
+    // certificate error quickly, never heartbeats, and retries.
+    let bad_dir = tempfile::tempdir()?;
+    let bad_log = bad_dir.path().join("agent.log");
+    let bad_id = format!("{cluster}-tls2");
+    let broker_toml = format!("ca_file = \"{}\"\n", other_ca.display());
+    let t0 = Instant::now();
+    let _bad = AgentLaunch {
+        url: &tls_url,
+        cluster: &cluster,
+        pool: POOL,
+        agent_id: &bad_id,
+        extra_toml: TRUST_GUEST,
+        broker_toml: &broker_toml,
+        dir: bad_dir.path(),
+        stderr: Some(&bad_log),
+    }
+    .spawn()?;
+    let text = wait_log(&bad_log, "reconnecting", Duration::from_secs(30))?;
+    eprintln!("wrong-CA agent log after {:?}:\n{text}", t0.elapsed());
+    let line = text
+        .lines()
+        .find(|l| l.contains("reconnecting"))
+        .unwrap_or_default();
+    ensure!(
+        line.to_lowercase().contains("certificate") || line.contains("UnknownIssuer"),
+        "the agent's error does not name the certificate problem: {line}"
+    );
+    ensure!(
+        line.contains(&format!("localhost:{tls_port}")) && !line.contains("guest:guest"),
+        "the agent's error does not name the (redacted) broker URL: {line}"
+    );
+    let heard = tap
+        .wait_for(
+            Duration::from_secs(2),
+            "heartbeat of the wrong-CA agent",
+            |k, v| k.ends_with(".heartbeat") && v["agent"] == bad_id.as_str(),
+        )
+        .await;
+    ensure!(heard.is_err(), "the wrong-CA agent heartbeated: {heard:?}");
+    broker.cleanup().await;
+    Ok(())
+}
