@@ -66,9 +66,15 @@ struct WriteFile {
 
 #[derive(Serialize)]
 struct CloudConfig {
+    bootcmd: Vec<Vec<String>>,
     write_files: Vec<WriteFile>,
     runcmd: Vec<Vec<String>>,
 }
+
+/// Shell command run by cloud-init's `bootcmd` (early, every boot): only
+/// root may reach the metadata service, because the user-data it serves
+/// holds the agent's broker credentials and jobs run as ordinary users.
+pub const BLOCK_METADATA_CMD: &str = "command -v iptables >/dev/null 2>&1 && { iptables -C OUTPUT -d 169.254.169.254 -m owner ! --uid-owner 0 -j REJECT 2>/dev/null || iptables -I OUTPUT -d 169.254.169.254 -m owner ! --uid-owner 0 -j REJECT; } || echo 'vq: no iptables: job owners can read the user-data from the metadata service' >&2";
 
 /// The identity file of a new agent, as TOML.
 pub fn identity_toml(cluster: &str, pool: &str, agent_id: &str, cfg: &PoolConfig) -> String {
@@ -82,8 +88,11 @@ pub fn identity_toml(cluster: &str, pool: &str, agent_id: &str, cfg: &PoolConfig
 }
 
 /// Renders the user-data of a new server. Without a template: a
-/// `#cloud-config` document that writes [`IDENTITY_PATH`] (mode 0600) and
-/// runs `systemctl enable --now jobagent`. With a template: its text with
+/// `#cloud-config` document that blocks the metadata service for non-root
+/// users ([`BLOCK_METADATA_CMD`]), writes [`IDENTITY_PATH`] (mode 0600) and
+/// runs `systemctl enable --now --no-block jobagent` (`--no-block`: runcmd
+/// runs inside cloud-final.service, which is ordered after
+/// multi-user.target). With a template: its text with
 /// `{{identity_toml}}`, `{{pool}}`, `{{agent_id}}`, `{{cluster}}` and
 /// `{{broker_url}}` replaced.
 ///
@@ -106,6 +115,7 @@ pub fn render_user_data(
             .replace("{{broker_url}}", &cfg.agent_broker_url));
     }
     let doc = CloudConfig {
+        bootcmd: vec![vec!["sh".into(), "-c".into(), BLOCK_METADATA_CMD.into()]],
         write_files: vec![WriteFile {
             path: IDENTITY_PATH.into(),
             permissions: "0600".into(),
@@ -116,6 +126,7 @@ pub fn render_user_data(
             "systemctl".into(),
             "enable".into(),
             "--now".into(),
+            "--no-block".into(),
             "jobagent".into(),
         ]],
     };
@@ -333,7 +344,12 @@ mod tests {
             id.broker_url.as_deref(),
             Some("amqp://agent:pw@10.0.0.1:5672/%2f")
         );
-        assert_eq!(doc["runcmd"][0][3].as_str(), Some("jobagent"));
+        assert_eq!(doc["runcmd"][0][4].as_str(), Some("jobagent"));
+        assert_eq!(doc["runcmd"][0][3].as_str(), Some("--no-block"));
+        assert!(doc["bootcmd"][0][2]
+            .as_str()
+            .unwrap()
+            .contains("169.254.169.254"));
     }
 
     #[test]

@@ -75,6 +75,8 @@ enum Step {
     Cgroup = 11,
     OomScore = 12,
     PassFds = 13,
+    NotRegularStdout = 14,
+    NotRegularStderr = 15,
     Setsid = 1,
     Setgroups,
     Setgid,
@@ -108,6 +110,14 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         11 => "joining the job's cgroup".into(),
         12 => "setting the job's oom_score_adj".into(),
         13 => "passing the output fds to the agent".into(),
+        14 => format!(
+            "stdout path {} is not a regular file (FIFO, socket or device): refused",
+            plan.stdout.to_string_lossy()
+        ),
+        15 => format!(
+            "stderr path {} is not a regular file (FIFO, socket or device): refused",
+            plan.stderr.to_string_lossy()
+        ),
         n => format!("unknown step {n}"),
     }
 }
@@ -174,18 +184,92 @@ fn fail(pipe: RawFd, step: Step, err: i32) -> std::io::Error {
     std::io::Error::from_raw_os_error(err)
 }
 
-/// Opens `path` for writing as the current (already dropped) user.
+/// Why [`open_output`] failed.
+#[derive(Clone, Copy)]
+enum OpenFail {
+    /// `open` or `fcntl` failed with this errno.
+    Errno(i32),
+    /// The path is a FIFO, socket or device other than `/dev/null`.
+    NotRegular,
+}
+
+/// Opens `path` for writing as the current (already dropped) user. The open
+/// is non-blocking and anything but a regular file or `/dev/null` is
+/// refused: a FIFO planted at the output path would otherwise block the
+/// launch (before exec, so outside walltime and cancel) until someone opens
+/// its other end.
 ///
 /// # Safety
-/// Async-signal-safe; `path` must be a valid C string.
-unsafe fn open_output(path: &CStr) -> RawFd {
-    // SAFETY: `path` is NUL-terminated; flags and mode are plain integers.
+/// Async-signal-safe (`open`, `fstat`, `fcntl`, `close`); `path` must be a
+/// valid C string.
+unsafe fn open_output(path: &CStr) -> Result<RawFd, OpenFail> {
+    // SAFETY: `path` is NUL-terminated; flags and mode are plain integers;
+    // `st` is a plain C struct the kernel fills.
     unsafe {
-        libc::open(
+        let fd = libc::open(
             path.as_ptr(),
-            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            libc::O_WRONLY
+                | libc::O_CREAT
+                | libc::O_TRUNC
+                | libc::O_NOFOLLOW
+                | libc::O_CLOEXEC
+                | libc::O_NONBLOCK,
             0o600 as libc::c_uint,
-        )
+        );
+        if fd == -1 {
+            // ENXIO: a FIFO without a reader (or a device without a driver)
+            // refused by O_NONBLOCK.
+            let e = errno();
+            return Err(if e == libc::ENXIO {
+                OpenFail::NotRegular
+            } else {
+                OpenFail::Errno(e)
+            });
+        }
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut st) == -1 {
+            let e = errno();
+            libc::close(fd);
+            return Err(OpenFail::Errno(e));
+        }
+        let kind = st.st_mode & libc::S_IFMT;
+        let dev_null = kind == libc::S_IFCHR && st.st_rdev == libc::makedev(1, 3);
+        if kind != libc::S_IFREG && !dev_null {
+            libc::close(fd);
+            return Err(OpenFail::NotRegular);
+        }
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags == -1 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == -1 {
+            let e = errno();
+            libc::close(fd);
+            return Err(OpenFail::Errno(e));
+        }
+        Ok(fd)
+    }
+}
+
+/// Marks every descriptor from 3 up close-on-exec, so that a job inherits
+/// nothing the agent (or whatever started it) had open. Uses `close_range`
+/// (Linux 5.11) and falls back to `fcntl` on the first 65536 descriptors.
+///
+/// # Safety
+/// Async-signal-safe.
+unsafe fn cloexec_from_3() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: raw syscalls on integer arguments only.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        ) == 0
+        {
+            return;
+        }
+        for fd in 3..65536 {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
     }
 }
 
@@ -384,21 +468,34 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
                     } else {
                         (&stderr, Step::OpenStderr)
                     };
-                    let fd = open_output(path);
-                    if fd == -1 {
-                        return Err(fail(pipe_fd, step, errno()));
+                    let not_regular = if join == Join::Oe {
+                        Step::NotRegularStdout
+                    } else {
+                        Step::NotRegularStderr
+                    };
+                    match open_output(path) {
+                        Ok(fd) => (fd, fd),
+                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, step, e)),
+                        Err(OpenFail::NotRegular) => {
+                            return Err(fail(pipe_fd, not_regular, libc::EINVAL))
+                        }
                     }
-                    (fd, fd)
                 }
                 Join::N => {
-                    let out = open_output(&stdout);
-                    if out == -1 {
-                        return Err(fail(pipe_fd, Step::OpenStdout, errno()));
-                    }
-                    let err = open_output(&stderr);
-                    if err == -1 {
-                        return Err(fail(pipe_fd, Step::OpenStderr, errno()));
-                    }
+                    let out = match open_output(&stdout) {
+                        Ok(fd) => fd,
+                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, Step::OpenStdout, e)),
+                        Err(OpenFail::NotRegular) => {
+                            return Err(fail(pipe_fd, Step::NotRegularStdout, libc::EINVAL))
+                        }
+                    };
+                    let err = match open_output(&stderr) {
+                        Ok(fd) => fd,
+                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, Step::OpenStderr, e)),
+                        Err(OpenFail::NotRegular) => {
+                            return Err(fail(pipe_fd, Step::NotRegularStderr, libc::EINVAL))
+                        }
+                    };
                     (out, err)
                 }
             };
@@ -410,6 +507,7 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
             if libc::dup2(out, 1) == -1 || libc::dup2(err, 2) == -1 {
                 return Err(fail(pipe_fd, Step::Dup, errno()));
             }
+            cloexec_from_3();
             if libc::fcntl(script_fd, libc::F_SETFD, 0) == -1 {
                 return Err(fail(pipe_fd, Step::ScriptFd, errno()));
             }

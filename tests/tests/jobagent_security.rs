@@ -434,6 +434,104 @@ async fn files_are_opened_as_the_owner_and_root_cannot_be_regained() -> anyhow::
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_fifo_at_the_output_path_is_refused_and_jobs_inherit_no_agent_descriptors(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let alice = s.alice.clone();
+    // A FIFO the owner planted: opening it for writing would block until
+    // someone reads, before exec (outside walltime and cancel).
+    let fifo = alice.home.join("planted.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+    std::os::unix::fs::lchown(&fifo, Some(alice.uid), Some(alice.gid))?;
+    let mut fifo_job = job(POOL, &alice.name, "fifo", "echo never");
+    fifo_job.stdout = Some(fifo.display().to_string());
+    fifo_job.join = Join::Oe;
+    fifo_job.walltime = Some(5);
+    // Every descriptor bash holds: 0-2, its script (255) and the memfd;
+    // listed by a child with a plain redirect so that no pipe of the shell's
+    // own shows up.
+    let fds_job = job(
+        POOL,
+        &alice.name,
+        "fds",
+        "ls -l /proc/$$/fd/ > \"$HOME/fds.list\"\ncat \"$HOME/fds.list\"\n",
+    );
+    s.broker.publish_job(&fifo_job, Some("guest")).await?;
+    s.broker.publish_job(&fds_job, Some("guest")).await?;
+    let fin = s
+        .tap
+        .job_event(&fifo_job.id, "finished", EVENT_WAIT)
+        .await?;
+    assert_eq!(fin["outcome"]["kind"], "failed_to_start", "{fin}");
+    let reason = fin["outcome"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("not a regular file"), "{reason}");
+    let fin = s.tap.job_event(&fds_job.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+    let out = read(&alice.home.join(format!("fds.o{}", fds_job.seq())));
+    let _ = std::fs::remove_file(alice.home.join("fds.list"));
+    for line in out.lines().filter(|l| l.contains(" -> ")) {
+        let (left, target) = line.split_once(" -> ").unwrap_or_default();
+        let fd: u32 = left
+            .rsplit(' ')
+            .next()
+            .unwrap_or("x")
+            .parse()
+            .unwrap_or(u32::MAX);
+        assert!(
+            fd <= 2 || fd == 255 || target.contains("memfd:vq-job-script"),
+            "the job inherited a descriptor: {line}\n{out}"
+        );
+    }
+    let _ = std::fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+    std::os::unix::fs::lchown(&fifo, Some(alice.uid), Some(alice.gid))?;
+    let mut fifo_job = job(POOL, &alice.name, "fifo", "echo never");
+    fifo_job.stdout = Some(fifo.display().to_string());
+    fifo_job.join = Join::Oe;
+    fifo_job.walltime = Some(5);
+    // Every descriptor bash holds: 0-2, its script (255) and the memfd;
+    // listed by a child with a plain redirect so that no pipe of the shell's
+    // own shows up.
+    let fds_job = job(
+        POOL,
+        &alice.name,
+        "fds",
+        "ls -l /proc/$$/fd/ > \"$HOME/fds.list\"\ncat \"$HOME/fds.list\"\n",
+    );
+    s.broker.publish_job(&fifo_job, Some("guest")).await?;
+    s.broker.publish_job(&fds_job, Some("guest")).await?;
+    let fin = s
+        .tap
+        .job_event(&fifo_job.id, "finished", EVENT_WAIT)
+        .await?;
+    assert_eq!(fin["outcome"]["kind"], "failed_to_start", "{fin}");
+    let reason = fin["outcome"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("not a regular file"), "{reason}");
+    let fin = s.tap.job_event(&fds_job.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+    let out = read(&alice.home.join(format!("fds.o{}", fds_job.seq())));
+    for line in out.lines().filter(|l| l.starts_with("fd ")) {
+        let mut parts = line.split_whitespace().skip(1);
+        let fd: u32 = parts.next().unwrap_or("x").parse().unwrap_or(u32::MAX);
+        let target = parts.next().unwrap_or_default();
+        assert!(
+            fd <= 2 || fd == 255 || target.contains("memfd:vq-job-script"),
+            "the job inherited a descriptor: {line}\n{out}"
+        );
+    }
+    let _ = std::fs::remove_file(&fifo);
+    remove_outputs(&alice.home, "fds", fds_job.seq());
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
 // --------------------------------------------------- process lifetime
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
