@@ -208,7 +208,8 @@ with open(dest, "w") as f:
     f.write(ident["content"])
 os.chmod(dest, 0o600)
 cmds = [c if isinstance(c, list) else [c] for c in doc["runcmd"]]
-assert ["systemctl", "enable", "--now", "jobagent.service"] in cmds, cmds
+assert ["systemctl", "enable", "--now", "--no-block", "jobagent.service"] in cmds, cmds
+assert any("169.254.169.254" in " ".join(c) for c in doc.get("bootcmd", [])), "metadata service not blocked"
 assert ["/usr/sbin/jobagent", "--check-config"] in cmds, cmds
 print("ok   cloud-init template renders to valid #cloud-config; identity 0600 written")
 EOF
