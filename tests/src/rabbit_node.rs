@@ -168,7 +168,7 @@ impl RabbitNode {
         self.dir.path()
     }
 
-    /// The node name (`vqtXXXXXXXX@localhost`).
+    /// The node name (`vqt<8 hex>@localhost`).
     pub fn node_name(&self) -> &str {
         &self.node
     }
