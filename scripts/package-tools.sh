@@ -33,3 +33,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# A python3 that is not Debian's (pyenv, a venv) does not see python3-yaml.
+if ! python3 -c 'import yaml' 2>/dev/null; then
+  echo "== python3 -m pip install pyyaml (for $(command -v python3))"
+  python3 -m pip install --quiet pyyaml
+fi
