@@ -12,6 +12,7 @@ command -v musl-gcc >/dev/null 2>&1 || missing+=(musl-tools)
 command -v file >/dev/null 2>&1 || missing+=(file)
 command -v useradd >/dev/null 2>&1 || missing+=(passwd)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+command -v python3 >/dev/null 2>&1 || missing+=(python3)   # demo.sh reads JSON with it
 if [ ${#missing[@]} -gt 0 ]; then
   echo "== apt-get install ${missing[*]}"
   apt-get update -qq
