@@ -13,6 +13,8 @@ command -v file >/dev/null 2>&1 || missing+=(file)
 command -v useradd >/dev/null 2>&1 || missing+=(passwd)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)   # demo.sh reads JSON with it
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)   # the TLS fault test makes its certificates
+command -v pgrep >/dev/null 2>&1 || missing+=(procps)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "== apt-get install ${missing[*]}"
   apt-get update -qq
