@@ -221,17 +221,7 @@ pub(crate) async fn handle_delivery(
     async move {
         // The broker validated `user_id`; a requeuer (the controller
         // returning a lost node's job) is judged by the original submitter.
-        let user_id = delivery
-            .properties
-            .user_id()
-            .as_ref()
-            .map(|u| u.as_str().to_string());
-        let original = header_str(&delivery.properties, SUBMITTER_HEADER);
-        let submitter = ctx
-            .cfg
-            .submitters
-            .effective_submitter(user_id.as_deref(), original.as_deref())
-            .map(str::to_string);
+        let submitter = judged_submitter(&ctx, &delivery.properties);
         let pool_queue = ctx.topo.pool_queue(&ctx.cfg.pool);
         let refused = match decoded {
             Err(e) => Some((None, Rejection::Malformed(e))),

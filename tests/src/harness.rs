@@ -270,20 +270,7 @@ impl TestBroker {
     /// # Errors
     /// Broker errors.
     pub async fn connect(cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
-        let cfg = BrokerConfig {
-            url: broker_url(),
-            ..Default::default()
-        };
-        let conn = vq_common::amqp::connect(&cfg, "vq-tests").await?;
-        let ch = confirm_channel(&conn).await?;
-        let topo = Topology::new(cluster);
-        declare_topology(&ch, &topo, pools.iter().copied()).await?;
-        Ok(TestBroker {
-            conn,
-            ch,
-            topo,
-            pools: pools.iter().map(|p| p.to_string()).collect(),
-        })
+        Self::connect_url(&broker_url(), cluster, pools).await
     }
 
     /// Publishes raw `body` to the jobs exchange for `pool`, with AMQP

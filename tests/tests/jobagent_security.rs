@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use vq_common::messages::Join;
 use vq_tests::harness::{
-    broker_url, build_bin, ensure_group, ensure_test_user, job, require_root, start_agent,
+    broker_url, ensure_group, ensure_test_user, job, require_root, start_agent, start_agent_in,
     unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap, TestBroker, TestUser,
 };
 
@@ -661,37 +661,14 @@ fn start_agent_with_state(
     dir: &Path,
     extra: &str,
 ) -> anyhow::Result<ChildGuard> {
-    let bin = build_bin("vq-jobagent", "jobagent")?;
-    let config = dir.join("jobagent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "heartbeat_secs = 0.5\nkill_grace_secs = 1\ncontrol_admins = [\"guest\"]\n{extra}\n{TRUST_GUEST}\n[broker]\nurl = \"{}\"\n",
-            broker_url()
-        ),
-    )?;
-    let identity = dir.join("identity.toml");
-    std::fs::write(
-        &identity,
-        format!("cluster = \"{cluster}\"\npool = \"{POOL}\"\nagent_id = \"{agent_id}\"\n"),
-    )?;
-    let mut cmd = Command::new(bin);
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--identity")
-        .arg(&identity)
-        .arg("--state-dir")
-        .arg(dir.join("state"));
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("VQ_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(
-        "RUST_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-    );
-    ChildGuard::spawn(cmd)
+    start_agent_in(
+        &broker_url(),
+        cluster,
+        POOL,
+        agent_id,
+        &format!("kill_grace_secs = 1\n{extra}\n{TRUST_GUEST}"),
+        dir,
+    )
 }
 
 async fn leftovers_of_a_killed_agent(cgroups: bool) -> anyhow::Result<()> {
