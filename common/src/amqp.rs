@@ -44,6 +44,18 @@ pub enum AmqpError {
         #[source]
         source: std::io::Error,
     },
+    /// The client certificate or its private key (`cert_file`,
+    /// `key_file`) cannot be read or used.
+    #[error("cannot use broker client {what} {path}: {problem}")]
+    ClientCert {
+        /// `"certificate"` or `"key"`.
+        what: &'static str,
+        /// Path of the file at fault.
+        path: String,
+        /// What is wrong, e.g. the read error or "does not match the
+        /// certificate in …".
+        problem: String,
+    },
     /// An operation did not finish in time.
     #[error("broker operation {what} timed out after {secs} s")]
     Timeout {
@@ -102,7 +114,9 @@ impl AmqpError {
             AmqpError::Declare { source, .. } => {
                 !is_access_refused(source) && !is_precondition_failed(source)
             }
-            AmqpError::CaFile { .. } | AmqpError::Unroutable { .. } => false,
+            AmqpError::CaFile { .. }
+            | AmqpError::ClientCert { .. }
+            | AmqpError::Unroutable { .. } => false,
         }
     }
 }
@@ -151,24 +165,44 @@ pub fn tuned_url(url: &str, heartbeat_secs: u16) -> String {
 }
 
 /// Opens a connection named `name` (shown in the management UI), bounded by
-/// `connect_timeout_secs`. Uses `ca_file` for amqps when set.
+/// `connect_timeout_secs`. Uses `ca_file` for amqps when set, and presents
+/// the client certificate `cert_file` with `key_file` when both are set.
+/// The certificate and key are parsed and checked to belong together here,
+/// before any network I/O, so a bad file fails at once and by name.
 ///
 /// # Errors
-/// [`AmqpError::Connect`], [`AmqpError::Timeout`] or [`AmqpError::CaFile`].
+/// [`AmqpError::Connect`], [`AmqpError::Timeout`], [`AmqpError::CaFile`] or
+/// [`AmqpError::ClientCert`].
 pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpError> {
     let url = tuned_url(&cfg.url, cfg.heartbeat_secs);
     let redacted = redact_url(&cfg.url);
-    let tls = match &cfg.ca_file {
-        Some(path) => OwnedTLSConfig {
-            identity: None,
-            cert_chain: Some(std::fs::read_to_string(path).map_err(|source| {
-                AmqpError::CaFile {
-                    path: path.display().to_string(),
-                    source,
-                }
-            })?),
-        },
-        None => OwnedTLSConfig::default(),
+    let cert_chain = match &cfg.ca_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path).map_err(|source| AmqpError::CaFile {
+                path: path.display().to_string(),
+                source,
+            })?,
+        ),
+        None => None,
+    };
+    let identity = match (&cfg.cert_file, &cfg.key_file) {
+        (Some(cert), Some(key)) => Some(client_identity(cert, key)?),
+        (None, None) => None,
+        (Some(path), None) | (None, Some(path)) => {
+            return Err(AmqpError::ClientCert {
+                what: if cfg.cert_file.is_some() {
+                    "certificate"
+                } else {
+                    "key"
+                },
+                path: path.display().to_string(),
+                problem: "cert_file and key_file must be set together".into(),
+            })
+        }
+    };
+    let tls = OwnedTLSConfig {
+        identity,
+        cert_chain,
     };
     let props = ConnectionProperties::default().with_connection_name(name.into());
     let timeout = Duration::from_secs(cfg.connect_timeout_secs);
@@ -185,6 +219,46 @@ pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpE
             })
     })
     .await
+}
+
+/// Reads the client certificate chain and key of [`connect`] and checks
+/// them with the rustls that lapin uses: at least one certificate, a key
+/// rustls can load, and the key matching the first certificate.
+fn client_identity(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<lapin::tcp::OwnedIdentity, AmqpError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let cert_err = |problem: String| AmqpError::ClientCert {
+        what: "certificate",
+        path: cert.display().to_string(),
+        problem,
+    };
+    let key_err = |problem: String| AmqpError::ClientCert {
+        what: "key",
+        path: key.display().to_string(),
+        problem,
+    };
+    let pem = std::fs::read(cert).map_err(|e| cert_err(e.to_string()))?;
+    let key_pem = std::fs::read(key).map_err(|e| key_err(e.to_string()))?;
+    let chain = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| cert_err(format!("not a PEM certificate chain: {e}")))?;
+    if chain.is_empty() {
+        return Err(cert_err("holds no PEM certificate".into()));
+    }
+    let der = PrivateKeyDer::from_pem_slice(&key_pem)
+        .map_err(|e| key_err(format!("not an unencrypted PEM private key: {e}")))?;
+    let provider = rustls::crypto::ring::default_provider();
+    rustls::sign::CertifiedKey::from_der(chain, der, &provider).map_err(|e| match e {
+        rustls::Error::InconsistentKeys(_) => key_err(format!(
+            "does not match the certificate in {}",
+            cert.display()
+        )),
+        e => key_err(format!("unusable: {e}")),
+    })?;
+    Ok(lapin::tcp::OwnedIdentity::PKCS8 { pem, key: key_pem })
 }
 
 /// Opens a channel with publisher confirms enabled.

@@ -29,6 +29,19 @@ pub struct BrokerConfig {
     /// PEM file with the CA certificate(s) that sign the broker's
     /// certificate (amqps only); `None` uses the system roots.
     pub ca_file: Option<PathBuf>,
+    /// PEM file with this component's client certificate, end-entity first,
+    /// then any intermediates (amqps only; set together with `key_file`).
+    /// Presented when the broker asks for a peer certificate
+    /// (`ssl_options.verify = verify_peer`); the login stays user/password
+    /// from `url`. `None`: no client certificate.
+    pub cert_file: Option<PathBuf>,
+    /// PEM file with the unencrypted private key of `cert_file` (PKCS#8
+    /// `BEGIN PRIVATE KEY`; PKCS#1 RSA and SEC1 EC keys are accepted too).
+    /// Must be mode 0600 (no group or other bits), owned by the user the
+    /// daemon runs as: root for the jobagent, whose jobs run as other users
+    /// on the same machine. A key with group or other permission bits is a
+    /// configuration error.
+    pub key_file: Option<PathBuf>,
     /// Seconds to wait for one connection attempt.
     pub connect_timeout_secs: u64,
     /// Seconds to wait for a publisher confirm before the publish counts as
@@ -43,6 +56,8 @@ impl Default for BrokerConfig {
         BrokerConfig {
             url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             ca_file: None,
+            cert_file: None,
+            key_file: None,
             connect_timeout_secs: 10,
             confirm_timeout_secs: 30,
             heartbeat_secs: 15,
@@ -72,7 +87,94 @@ impl BrokerConfig {
                 ));
             }
         }
+        self.client_cert_problems(prefix, out);
     }
+
+    /// Problems of `cert_file`/`key_file`: both or neither, amqps only, and
+    /// both readable PEM files, the key unencrypted and mode 0600. The
+    /// certificate and key are parsed and matched by
+    /// [`crate::amqp::connect`] (feature `amqp`).
+    fn client_cert_problems(&self, prefix: &str, out: &mut Vec<String>) {
+        match (&self.cert_file, &self.key_file) {
+            (None, None) => return,
+            (Some(_), None) => out.push(format!(
+                "{prefix}.key_file: missing (cert_file is set; set both or neither)"
+            )),
+            (None, Some(_)) => out.push(format!(
+                "{prefix}.cert_file: missing (key_file is set; set both or neither)"
+            )),
+            (Some(_), Some(_)) => {}
+        }
+        if !self.url.starts_with("amqps://") {
+            out.push(format!(
+                "{prefix}.cert_file/key_file: client certificates need an amqps:// url, not {:?}",
+                redact_url(&self.url)
+            ));
+        }
+        if let Some(cert) = &self.cert_file {
+            match std::fs::read(cert) {
+                Err(e) => out.push(format!(
+                    "{prefix}.cert_file: cannot read {}: {e}",
+                    cert.display()
+                )),
+                Ok(text) if !contains(&text, b"-----BEGIN CERTIFICATE-----") => out.push(format!(
+                    "{prefix}.cert_file: {} holds no PEM certificate \
+                         (-----BEGIN CERTIFICATE-----)",
+                    cert.display()
+                )),
+                Ok(_) => {}
+            }
+        }
+        if let Some(key) = &self.key_file {
+            match std::fs::read(key) {
+                Err(e) => out.push(format!(
+                    "{prefix}.key_file: cannot read {}: {e}",
+                    key.display()
+                )),
+                Ok(text)
+                    if contains(&text, b"ENCRYPTED PRIVATE KEY")
+                        || contains(&text, b"Proc-Type: 4,ENCRYPTED") =>
+                {
+                    out.push(format!(
+                        "{prefix}.key_file: {} is encrypted; give an unencrypted PEM key \
+                         (e.g. `openssl pkey -in old.key -out new.key`) protected by mode 0600",
+                        key.display()
+                    ))
+                }
+                Ok(text) if !contains(&text, b"PRIVATE KEY-----") => out.push(format!(
+                    "{prefix}.key_file: {} holds no PEM private key (-----BEGIN PRIVATE KEY-----)",
+                    key.display()
+                )),
+                Ok(_) => {
+                    if let Some(mode) = loose_mode(key) {
+                        out.push(format!(
+                            "{prefix}.key_file: {} has mode {mode:04o}, readable or writable by \
+                             group or others; make it 0600 (chmod 600) and owned by the user the \
+                             daemon runs as (root for the jobagent)",
+                            key.display()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The permission bits of `path` if any group or other bit is set.
+#[cfg(unix)]
+fn loose_mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
+#[cfg(not(unix))]
+fn loose_mode(_path: &Path) -> Option<u32> {
+    None
 }
 
 /// Returns `url` with its password replaced by `***`, for logs and errors.
@@ -833,6 +935,146 @@ mod tests {
         assert_eq!(cfg.broker.url, "amqp://x:y@h:1/v");
         assert_eq!(cfg.slots, 4);
         assert_eq!(cfg.pool, "cms");
+    }
+
+    /// A file in the temporary directory with `text` and `mode`, removed
+    /// on drop.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn new(name: &str, text: &str, mode: u32) -> TempFile {
+            use std::os::unix::fs::PermissionsExt;
+            let path =
+                std::env::temp_dir().join(format!("vq-config-{}-{name}", uuid::Uuid::new_v4()));
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            TempFile(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    const CERT: &str = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+
+    fn broker_problems(b: &BrokerConfig) -> String {
+        let mut p = Vec::new();
+        b.problems("broker", &mut p);
+        p.join("\n")
+    }
+
+    #[test]
+    fn client_cert_and_key_go_together_with_amqps_only() {
+        let cert = TempFile::new("cert.pem", CERT, 0o644);
+        let key = TempFile::new("key.pem", KEY, 0o600);
+        let mut b = BrokerConfig {
+            url: "amqps://a:b@h:5671/%2f".into(),
+            cert_file: Some(cert.0.clone()),
+            key_file: Some(key.0.clone()),
+            ..Default::default()
+        };
+        assert_eq!(broker_problems(&b), "");
+        b.key_file = None;
+        assert!(broker_problems(&b).contains("broker.key_file: missing (cert_file is set"));
+        b.key_file = Some(key.0.clone());
+        b.cert_file = None;
+        assert!(broker_problems(&b).contains("broker.cert_file: missing (key_file is set"));
+        b.cert_file = Some(cert.0.clone());
+        b.url = "amqp://a:b@h:5672/%2f".into();
+        let all = broker_problems(&b);
+        assert!(all.contains("need an amqps:// url"), "{all}");
+        assert!(!all.contains(":b@"), "password in {all}");
+    }
+
+    #[test]
+    fn client_cert_files_are_read_and_checked_at_start() {
+        let cert = TempFile::new("cert.pem", CERT, 0o644);
+        let key = TempFile::new("key.pem", KEY, 0o600);
+        let loose = TempFile::new("loose.pem", KEY, 0o640);
+        let world = TempFile::new("world.pem", KEY, 0o604);
+        let encrypted = TempFile::new(
+            "enc.pem",
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIE\n-----END ENCRYPTED PRIVATE KEY-----\n",
+            0o600,
+        );
+        let url = "amqps://a:b@h:5671/%2f".to_string();
+        let with = |c: &Path, k: &Path| BrokerConfig {
+            url: url.clone(),
+            cert_file: Some(c.to_path_buf()),
+            key_file: Some(k.to_path_buf()),
+            ..Default::default()
+        };
+        let missing = std::env::temp_dir().join("vq-config-no-such-file.pem");
+        let all = broker_problems(&with(&missing, &missing));
+        for needle in [
+            format!("broker.cert_file: cannot read {}: ", missing.display()),
+            format!("broker.key_file: cannot read {}: ", missing.display()),
+        ] {
+            assert!(all.contains(&needle), "{needle} not in:\n{all}");
+        }
+        // Swapped files.
+        let all = broker_problems(&with(&key.0, &cert.0));
+        assert!(all.contains("holds no PEM certificate"), "{all}");
+        assert!(all.contains("holds no PEM private key"), "{all}");
+        for (file, mode) in [(&loose, "0640"), (&world, "0604")] {
+            let all = broker_problems(&with(&cert.0, &file.0));
+            assert!(
+                all.contains(&format!("{} has mode {mode}", file.0.display()))
+                    && all.contains("chmod 600"),
+                "{all}"
+            );
+        }
+        let all = broker_problems(&with(&cert.0, &encrypted.0));
+        assert!(all.contains("is encrypted"), "{all}");
+    }
+
+    #[test]
+    fn client_cert_env_overrides() {
+        let cert = TempFile::new("cert.pem", CERT, 0o644);
+        let key = TempFile::new("key.pem", KEY, 0o600);
+        let over = env_overrides(
+            AgentConfig::ENV_PREFIX,
+            [
+                (
+                    "VQ_AGENT__BROKER__URL".to_string(),
+                    "amqps://x:y@h:5671/v".to_string(),
+                ),
+                (
+                    "VQ_AGENT__BROKER__CERT_FILE".to_string(),
+                    cert.0.display().to_string(),
+                ),
+                (
+                    "VQ_AGENT__BROKER__KEY_FILE".to_string(),
+                    key.0.display().to_string(),
+                ),
+                ("VQ_AGENT__POOL".to_string(), "cms".to_string()),
+            ],
+        );
+        let cfg: AgentConfig = parse("t", "", over).unwrap();
+        assert_eq!(cfg.broker.cert_file.as_deref(), Some(cert.0.as_path()));
+        assert_eq!(cfg.broker.key_file.as_deref(), Some(key.0.as_path()));
+        // The same keys in a file, with every problem listed at once.
+        let err = parse::<AgentConfig>(
+            "t",
+            "pool = \"cms\"\n[broker]\nurl = \"amqp://x:y@h/v\"\ncert_file = \"/nonexistent/c.pem\"\n",
+            toml::Table::new(),
+        )
+        .unwrap_err();
+        let ConfigError::Invalid { problems, .. } = err else {
+            panic!()
+        };
+        let all = problems.join("\n");
+        for needle in [
+            "broker.key_file: missing",
+            "need an amqps:// url",
+            "broker.cert_file: cannot read /nonexistent/c.pem",
+        ] {
+            assert!(all.contains(needle), "{needle} not in:\n{all}");
+        }
     }
 
     #[test]

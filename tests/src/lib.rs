@@ -5,3 +5,4 @@
 pub mod cloudsim;
 pub mod harness;
 pub mod rabbit_node;
+pub mod tcp_proxy;
