@@ -40,15 +40,32 @@ pub struct NodeOptions {
 
 /// PEM files of an AMQPS listener on 127.0.0.1 (a free port is picked; see
 /// [`RabbitNode::tls_port`]). Peers are not asked for certificates
-/// (`verify_none`).
+/// (`verify_none`) unless [`TlsListener::require_peer_cert`] is set.
 #[derive(Debug, Clone)]
 pub struct TlsListener {
-    /// CA certificate(s).
+    /// CA certificate(s); with `require_peer_cert`, also the CAs a client
+    /// certificate must chain to.
     pub cacertfile: PathBuf,
     /// Server certificate.
     pub certfile: PathBuf,
     /// Server private key.
     pub keyfile: PathBuf,
+    /// Ask every client for a certificate signed by `cacertfile` and refuse
+    /// the TLS handshake without one (`verify_peer` with
+    /// `fail_if_no_peer_cert = true`). `false`: `verify_none`.
+    pub require_peer_cert: bool,
+}
+
+impl TlsListener {
+    /// A `verify_none` listener with these PEM files.
+    pub fn new(cacertfile: PathBuf, certfile: PathBuf, keyfile: PathBuf) -> Self {
+        TlsListener {
+            cacertfile,
+            certfile,
+            keyfile,
+            require_peer_cert: false,
+        }
+    }
 }
 
 impl Default for NodeOptions {
@@ -123,13 +140,18 @@ impl RabbitNode {
         let tls_port = match &opts.tls {
             Some(t) => {
                 let port = free_port()?;
+                let (verify, fail_if_no_peer_cert) = if t.require_peer_cert {
+                    ("verify_peer", true)
+                } else {
+                    ("verify_none", false)
+                };
                 conf.push_str(&format!(
                     "listeners.ssl.default = 127.0.0.1:{port}\n\
                      ssl_options.cacertfile = {}\n\
                      ssl_options.certfile = {}\n\
                      ssl_options.keyfile = {}\n\
-                     ssl_options.verify = verify_none\n\
-                     ssl_options.fail_if_no_peer_cert = false\n",
+                     ssl_options.verify = {verify}\n\
+                     ssl_options.fail_if_no_peer_cert = {fail_if_no_peer_cert}\n",
                     t.cacertfile.display(),
                     t.certfile.display(),
                     t.keyfile.display()

@@ -8,8 +8,15 @@
 //!   `vq_common::amqp::connect` and the agent fail quickly with a clear
 //!   certificate error instead of hanging.
 //!
-//! Client certificates are not covered (vq's broker config has no client
-//! certificate option).
+//! With a listener that requires client certificates (`verify_peer`,
+//! `fail_if_no_peer_cert`):
+//!
+//! * `connect` and a jobagent configured with `cert_file`/`key_file` connect
+//!   (still logging in with user/password) and the agent runs a job;
+//! * without a client certificate, or with one signed by another CA, the
+//!   connection fails quickly with a TLS error instead of hanging;
+//! * a key that does not belong to the certificate fails before any network
+//!   I/O with an error naming the key file.
 //!
 //! Root only: `cargo test -p vq-tests --test faults_tls -- --include-ignored`.
 
@@ -66,35 +73,61 @@ fn make_ca(dir: &Path, name: &str) -> anyhow::Result<()> {
 
 /// Writes `server.pem`/`server.key` signed by CA `ca` into `dir`.
 fn make_server_cert(dir: &Path, ca: &str) -> anyhow::Result<()> {
-    openssl(
+    make_leaf(
         dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-    )?;
-    std::fs::write(
-        dir.join("server.ext"),
+        ca,
+        "server",
+        "/CN=localhost",
         "subjectAltName = IP:127.0.0.1, DNS:localhost\n\
          basicConstraints = CA:FALSE\n\
          keyUsage = digitalSignature, keyEncipherment\n\
          extendedKeyUsage = serverAuth\n",
+    )
+}
+
+/// Writes `<name>.pem`/`<name>.key` (mode 0600), a client certificate
+/// signed by CA `ca`, into `dir`.
+fn make_client_cert(dir: &Path, ca: &str, name: &str) -> anyhow::Result<()> {
+    make_leaf(
+        dir,
+        ca,
+        name,
+        &format!("/CN=vq test client {name}"),
+        "basicConstraints = CA:FALSE\n\
+         keyUsage = digitalSignature, keyEncipherment\n\
+         extendedKeyUsage = clientAuth\n",
     )?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        dir.join(format!("{name}.key")),
+        std::fs::Permissions::from_mode(0o600),
+    )?;
+    Ok(())
+}
+
+/// Writes `<name>.pem`/`<name>.key` for subject `subj`, signed by CA `ca`
+/// with the x509v3 extensions `ext`, into `dir`.
+fn make_leaf(dir: &Path, ca: &str, name: &str, subj: &str, ext: &str) -> anyhow::Result<()> {
+    let (key, csr, extfile, pem) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.ext"),
+        format!("{name}.pem"),
+    );
+    openssl(
+        dir,
+        &[
+            "req", "-newkey", "rsa:2048", "-nodes", "-subj", subj, "-keyout", &key, "-out", &csr,
+        ],
+    )?;
+    std::fs::write(dir.join(&extfile), ext)?;
     openssl(
         dir,
         &[
             "x509",
             "-req",
             "-in",
-            "server.csr",
+            &csr,
             "-CA",
             &format!("{ca}-ca.pem"),
             "-CAkey",
@@ -103,9 +136,9 @@ fn make_server_cert(dir: &Path, ca: &str) -> anyhow::Result<()> {
             "-days",
             "2",
             "-extfile",
-            "server.ext",
+            &extfile,
             "-out",
-            "server.pem",
+            &pem,
         ],
     )
 }
@@ -143,11 +176,11 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
     let good_ca = certs.path().join("good-ca.pem");
     let other_ca = certs.path().join("other-ca.pem");
     let node = RabbitNode::start_new(NodeOptions {
-        tls: Some(TlsListener {
-            cacertfile: good_ca.clone(),
-            certfile: certs.path().join("server.pem"),
-            keyfile: certs.path().join("server.key"),
-        }),
+        tls: Some(TlsListener::new(
+            good_ca.clone(),
+            certs.path().join("server.pem"),
+            certs.path().join("server.key"),
+        )),
         ..Default::default()
     })
     .await?;
@@ -256,6 +289,148 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         )
         .await;
     ensure!(heard.is_err(), "the wrong-CA agent heartbeated: {heard:?}");
+    broker.cleanup().await;
+    Ok(())
+}
+
+/// Connects with `cfg` expecting a failure within 10 s (the timeout is
+/// 20 s); returns the error's text with its sources.
+async fn connect_fails_fast(cfg: &BrokerConfig, what: &str) -> anyhow::Result<String> {
+    let t0 = Instant::now();
+    let err = match vq_common::amqp::connect(cfg, what).await {
+        Ok(c) => {
+            let _ = c.close(200, "ok".into()).await;
+            bail!("{what}: connected although it should have been refused");
+        }
+        Err(e) => e,
+    };
+    let elapsed = t0.elapsed();
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    eprintln!("{what}: error after {elapsed:?}: {text} ({err:?})");
+    ensure!(
+        elapsed < Duration::from_secs(10),
+        "{what} took {elapsed:?} (timeout 20 s): a hang, not an error"
+    );
+    Ok(text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn client_certificates_are_presented_when_the_broker_requires_them() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let certs = tempfile::Builder::new().prefix("vq-mtls-").tempdir()?;
+    let d = certs.path();
+    make_ca(d, "good")?;
+    make_ca(d, "other")?;
+    make_server_cert(d, "good")?;
+    make_client_cert(d, "good", "client")?;
+    make_client_cert(d, "other", "stranger")?;
+    let good_ca = d.join("good-ca.pem");
+    let node = RabbitNode::start_new(NodeOptions {
+        tls: Some(TlsListener {
+            require_peer_cert: true,
+            ..TlsListener::new(good_ca.clone(), d.join("server.pem"), d.join("server.key"))
+        }),
+        ..Default::default()
+    })
+    .await?;
+    let tls_port = node.tls_port().context("no TLS port")?;
+    let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
+    let cfg = |client: Option<&str>| BrokerConfig {
+        url: tls_url.clone(),
+        ca_file: Some(good_ca.clone()),
+        cert_file: client.map(|c| d.join(format!("{c}.pem"))),
+        key_file: client.map(|c| d.join(format!("{c}.key"))),
+        connect_timeout_secs: 20,
+        ..Default::default()
+    };
+    // The config a daemon would load passes validation.
+    let agent_cfg = vq_common::config::AgentConfig {
+        pool: POOL.into(),
+        broker: cfg(Some("client")),
+        ..Default::default()
+    };
+    if let Err(problems) = agent_cfg.validate() {
+        bail!("config problems: {problems:?}");
+    }
+
+    // The library: a certificate of the broker's CA connects.
+    let conn = vq_common::amqp::connect(&cfg(Some("client")), "vq-tests mtls").await?;
+    let _ = conn.close(200, "ok".into()).await;
+
+    // No certificate: the broker ends the handshake, fast and as TLS.
+    // (TLS 1.3 sends certificate_required, TLS 1.2 handshake_failure.)
+    let text = connect_fails_fast(&cfg(None), "no client certificate").await?;
+    ensure!(
+        text.contains("CertificateRequired") || text.contains("HandshakeFailure"),
+        "the no-certificate error does not name the TLS alert: {text}"
+    );
+    // A certificate of another CA: refused the same way.
+    let text = connect_fails_fast(&cfg(Some("stranger")), "client cert of another CA").await?;
+    ensure!(
+        text.contains("UnknownCA") || text.contains("BadCertificate"),
+        "the foreign-certificate error does not name the TLS alert: {text}"
+    );
+    // A key that is not the certificate's: refused before connecting, by
+    // name.
+    let mismatched = BrokerConfig {
+        key_file: Some(d.join("stranger.key")),
+        ..cfg(Some("client"))
+    };
+    let text = connect_fails_fast(&mismatched, "mismatched key").await?;
+    ensure!(
+        text.contains(&d.join("stranger.key").display().to_string())
+            && text.contains("does not match the certificate"),
+        "the mismatched-key error does not name the key file: {text}"
+    );
+
+    // An agent with the client certificate runs a job.
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("agent.log");
+    let id = format!("{cluster}-mtls1");
+    let broker_toml = format!(
+        "ca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+        good_ca.display(),
+        d.join("client.pem").display(),
+        d.join("client.key").display()
+    );
+    let _agent = AgentLaunch {
+        url: &tls_url,
+        cluster: &cluster,
+        pool: POOL,
+        agent_id: &id,
+        extra_toml: TRUST_GUEST,
+        broker_toml: &broker_toml,
+        dir: dir.path(),
+        stderr: Some(&log),
+    }
+    .spawn()?;
+    wait_agent_up(&mut tap, &id).await.with_context(|| {
+        format!(
+            "agent log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    })?;
+    let j = job(POOL, &alice.name, "mtls", "echo over-mutual-tls\n");
+    broker.publish_job(&j, Some("guest")).await?;
+    let fin = tap
+        .job_event(&j.id, "finished", Duration::from_secs(30))
+        .await?;
+    ensure!(
+        fin["agent"] == id.as_str(),
+        "finished on the wrong agent: {fin}"
+    );
     broker.cleanup().await;
     Ok(())
 }
