@@ -303,7 +303,8 @@ async fn claim_and_run(
         return;
     }
     debug!("claimed: leased and acked");
-    run_and_release(ctx, job, plan, cancel, key, submitter).await;
+    let orig = (&delivery.data[..], &delivery.properties);
+    run_and_release(ctx, job, plan, cancel, key, submitter, orig).await;
 }
 
 /// The submitter a delivery is judged by (see
@@ -392,6 +393,8 @@ async fn release_lease(ctx: &Ctx, key: &str) {
     }
 }
 
+/// Runs a claimed job and reports it. `orig` is the job's message (body and
+/// properties), dead-lettered if the job cannot end normally.
 async fn run_and_release(
     ctx: &Arc<Ctx>,
     job: &Job,
@@ -399,6 +402,7 @@ async fn run_and_release(
     cancel: CancellationToken,
     key: &str,
     submitter: Option<&str>,
+    orig: (&[u8], &BasicProperties),
 ) {
     let pool = ctx.cfg.pool.clone();
     let started_event = job_event(
@@ -432,9 +436,16 @@ async fn run_and_release(
             ctx.shared.release(key);
             return;
         }
+        // At most once: never run again, and kept in the dead-letter queue
+        // with the reason (as a node-lost job is), so nothing vanishes.
+        let reason = "the agent shut down before the job finished; it is not rerunnable (-r n)";
+        warn!(
+            reason,
+            "stopped by the agent's shutdown: reported failed and dead-lettered"
+        );
+        dead_letter(ctx, orig.0, orig.1, reason).await;
         let state = JobState::Failed {
-            reason: "the agent shut down before the job finished; it is not rerunnable (-r n)"
-                .into(),
+            reason: reason.into(),
         };
         let event = job_event(Some(job), key, &pool, &ctx.agent, submitter, state);
         publish_result(ctx, key, &event).await;
@@ -631,7 +642,9 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
                     let mut cancellers = vec![job.owner.clone()];
                     cancellers.extend(submitter.clone());
                     ctx2.shared.set_cancellers(&key, cancellers);
-                    run_and_release(&ctx2, &job, plan, cancel, &key, submitter.as_deref()).await
+                    let orig = (&body[..], &props);
+                    run_and_release(&ctx2, &job, plan, cancel, &key, submitter.as_deref(), orig)
+                        .await
                 }
                 Err(rej) => {
                     refuse(&ctx2, &body, &props, Some(&job), &key, &rej).await;
