@@ -51,8 +51,12 @@ pub struct Shared {
     pub agents: BTreeMap<String, AgentRecord>,
     /// Latest demand per pool.
     pub demand: DemandMap,
-    /// Since when the event consumer has run without interruption.
+    /// Since when the event consumer has run without interruption (and
+    /// the broker has not blocked the connection).
     pub listening_since: Option<Instant>,
+    /// The broker's reason while it blocks this connection
+    /// (`connection.blocked`: a memory or disk alarm), else `None`.
+    pub blocked: Option<String>,
 }
 
 struct Session {
@@ -126,8 +130,11 @@ impl Broker {
             for t in &s.tasks {
                 t.abort();
             }
-            let _ = s.conn.close(320, "reconnecting".into()).await;
-            self.shared_lock().listening_since = None;
+            let _ =
+                tokio::time::timeout(OP_TIMEOUT, s.conn.close(320, "reconnecting".into())).await;
+            let mut sh = self.shared_lock();
+            sh.listening_since = None;
+            sh.blocked = None;
         }
         *guard = None;
         let conn = amqp::connect(&self.cfg, "vq-controller").await?;
@@ -141,7 +148,12 @@ impl Broker {
         .await?;
         let events = self.start_events(&conn).await?;
         let demand = self.start_demand(&conn).await?;
-        self.shared_lock().listening_since = Some(Instant::now());
+        let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
+        {
+            let mut sh = self.shared_lock();
+            sh.listening_since = Some(Instant::now());
+            sh.blocked = None;
+        }
         tracing::info!(
             broker = %vq_common::config::redact_url(&self.cfg.url),
             "connected to the broker, topology declared, listening to agent events and demand"
@@ -149,7 +161,7 @@ impl Broker {
         *guard = Some(Session {
             conn,
             channel,
-            tasks: vec![events, demand],
+            tasks: vec![events, demand, alarms],
         });
         Ok(())
     }
@@ -248,6 +260,37 @@ impl Broker {
                 .map(|t| now.saturating_duration_since(t).as_secs_f64())
                 .unwrap_or(0.0),
         }
+    }
+
+    /// The broker's reason while it blocks the controller's connection
+    /// (resource alarm), else `None`. Learnt from `connection.blocked`,
+    /// which RabbitMQ sends only to connections that publish: see
+    /// [`Broker::probe`].
+    pub fn blocked(&self) -> Option<String> {
+        self.shared_lock().blocked.clone()
+    }
+
+    /// Publishes an empty, unroutable message (default exchange, routing
+    /// key `<cluster>.probe`, which names no queue) and waits for its
+    /// confirm. Called every cycle so that a broker memory or disk alarm
+    /// blocks this connection, and the controller learns of it, before
+    /// the agents' silenced heartbeats could be taken for dead agents.
+    ///
+    /// # Errors
+    /// [`AmqpError`] if not connected or unconfirmed within
+    /// `confirm_timeout_secs`.
+    pub async fn probe(&self) -> Result<(), AmqpError> {
+        let channel = self.channel().await?;
+        amqp::publish_confirmed(
+            &channel,
+            "",
+            &format!("{}.probe", self.topo.cluster()),
+            b"",
+            BasicProperties::default(),
+            false,
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+        )
+        .await
     }
 
     /// Ready messages in `pool`'s queue (passive declare).
@@ -808,6 +851,33 @@ async fn consume_events(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .listening_since = None;
+}
+
+/// Follows `connection.blocked`/`unblocked` of the controller's connection:
+/// while blocked, agents cannot publish heartbeats either, so nobody is
+/// judged by heartbeats (`listening_since` = `None`); when unblocked, the
+/// heartbeat grace starts again from that moment.
+async fn watch_blocked(
+    events: impl futures_util::Stream<Item = lapin::Event>,
+    shared: Arc<StdMutex<Shared>>,
+) {
+    futures_util::pin_mut!(events);
+    while let Some(e) = events.next().await {
+        let mut sh = shared.lock().unwrap_or_else(|p| p.into_inner());
+        match e {
+            lapin::Event::ConnectionBlocked(reason) => {
+                tracing::warn!(reason = %reason, "the broker blocks publishing (resource alarm): holding all pools, agents are not judged by heartbeats until it ends");
+                sh.blocked = Some(reason);
+                sh.listening_since = None;
+            }
+            lapin::Event::ConnectionUnblocked => {
+                tracing::info!("the broker accepts publishing again; heartbeat grace restarts now");
+                sh.blocked = None;
+                sh.listening_since = Some(Instant::now());
+            }
+            _ => {}
+        }
+    }
 }
 
 async fn consume_demand(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _ch: Channel) {

@@ -45,6 +45,9 @@ pub struct Metrics {
     pub deleted: Family<Labels, Counter<u64, AtomicU64>>,
     /// Failed OpenStack requests.
     pub cloud_errors: Counter<u64, AtomicU64>,
+    /// 1 while the broker blocks the controller's publishing (memory or
+    /// disk alarm; every pool is held), else 0.
+    pub broker_blocked: Gauge,
 }
 
 impl Default for Metrics {
@@ -66,7 +69,13 @@ impl Metrics {
             created: Family::default(),
             deleted: Family::default(),
             cloud_errors: Counter::default(),
+            broker_blocked: Gauge::default(),
         };
+        registry.register(
+            "vq_broker_blocked",
+            "1 while the broker blocks publishing (resource alarm): pools are held",
+            m.broker_blocked.clone(),
+        );
         registry.register(
             "vq_pool_queued",
             "Jobs waiting in the pool",

@@ -39,6 +39,16 @@ pub trait BrokerApi: Messenger {
     fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
     /// Agent and demand state now.
     fn snapshot(&self, now: Instant) -> EventSnapshot;
+    /// The broker's reason while it blocks publishing (see
+    /// [`crate::broker::Broker::blocked`]). The default: never blocked.
+    fn blocked(&self) -> Option<String> {
+        None
+    }
+    /// A confirmed publish that makes a broker alarm visible (see
+    /// [`crate::broker::Broker::probe`]). The default does nothing.
+    fn probe(&self) -> impl Future<Output = Result<(), AmqpError>> + Send {
+        async { Ok(()) }
+    }
     /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
     /// The default: none (fakes without leases).
     fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
@@ -66,6 +76,12 @@ impl BrokerApi for Broker {
     fn snapshot(&self, now: Instant) -> EventSnapshot {
         Broker::snapshot(self, now)
     }
+    fn blocked(&self) -> Option<String> {
+        Broker::blocked(self)
+    }
+    async fn probe(&self) -> Result<(), AmqpError> {
+        Broker::probe(self).await
+    }
     async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
         Broker::pending_fences(self).await
     }
@@ -83,6 +99,9 @@ pub struct CycleSummary {
     pub failed: Vec<String>,
     /// Pools skipped (backing off).
     pub skipped: Vec<String>,
+    /// Pools held without acting because the broker blocks publishing
+    /// (memory or disk alarm); not counted as failures.
+    pub held: Vec<String>,
     /// Servers created.
     pub created: u32,
     /// Servers deleted.
@@ -201,6 +220,38 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             summary.failed = ready;
             return summary;
         }
+        // During a broker alarm agents cannot publish heartbeats or answers:
+        // nothing is judged or acted on until it ends (no backoff: the
+        // alarm is not this controller's failure).
+        let probed = match self.broker.blocked() {
+            Some(reason) => Err(reason),
+            None => match self.broker.probe().await {
+                Ok(()) => self.broker.blocked().map_or(Ok(()), Err),
+                Err(e) => {
+                    let e = ObserveError::Broker(e);
+                    for p in &ready {
+                        self.fail_pool(p, now, &e, None);
+                    }
+                    summary.failed = ready;
+                    return summary;
+                }
+            },
+        };
+        if let Err(reason) = probed {
+            self.metrics.broker_blocked.set(1);
+            tracing::info!(reason = %reason, "broker alarm: holding every pool this cycle");
+            let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
+            for p in &ready {
+                if let Some(ps) = st.pools.get_mut(p) {
+                    ps.last_error = Some(format!(
+                        "the broker blocks publishing ({reason}): holding, no VM booted or deleted"
+                    ));
+                }
+            }
+            summary.held = ready;
+            return summary;
+        }
+        self.metrics.broker_blocked.set(0);
         let servers = match self
             .cloud
             .list_servers(&cluster_tag(&self.cfg.cluster))

@@ -83,6 +83,7 @@ impl CloudApi for FakeCloud {
 struct FakeBroker {
     depth: Mutex<BTreeMap<String, u64>>,
     sent: Mutex<Vec<(String, Control)>>,
+    blocked: Mutex<Option<String>>,
 }
 
 impl Messenger for FakeBroker {
@@ -101,6 +102,9 @@ impl BrokerApi for FakeBroker {
     }
     fn snapshot(&self, _now: Instant) -> EventSnapshot {
         EventSnapshot::default()
+    }
+    fn blocked(&self) -> Option<String> {
+        self.blocked.lock().unwrap().clone()
     }
 }
 
@@ -192,4 +196,25 @@ async fn after_shutdown_nothing_is_acted_on() {
     let s = ctl.cycle(&stop).await;
     assert_eq!(s.created, 0);
     assert_eq!(ctl.status.read().unwrap().pools["cms"].target, 3);
+}
+
+#[tokio::test]
+async fn a_broker_alarm_holds_every_pool_without_backoff() {
+    let b = broker_with_depth(3);
+    *b.blocked.lock().unwrap() = Some("memory".into());
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), b).unwrap();
+    let stop = CancellationToken::new();
+    for _ in 0..3 {
+        let s = ctl.cycle(&stop).await;
+        assert_eq!(s.held, vec!["cms".to_string()], "{s:?}");
+        assert!(s.failed.is_empty() && s.skipped.is_empty(), "{s:?}");
+        assert_eq!(s.created + s.deleted, 0, "{s:?}");
+    }
+    assert_eq!(*ctl.cloud().creates.lock().unwrap(), 0);
+    assert!(ctl.broker().sent.lock().unwrap().is_empty());
+    // When the alarm ends the next cycle acts at once (no backoff).
+    *ctl.broker().blocked.lock().unwrap() = None;
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.ok, vec!["cms".to_string()], "{s:?}");
+    assert_eq!(s.created, 3);
 }

@@ -35,7 +35,10 @@ pub fn heartbeat(ctx: &Ctx) -> Heartbeat {
 
 /// Publishes a heartbeat every `heartbeat_secs` (and when asked through
 /// `Shared::heartbeat_now`) until `stop`. A heartbeat that cannot be
-/// published is skipped, not queued: the next one supersedes it.
+/// published is skipped, not queued: the next one supersedes it. While the
+/// broker blocks publishing (resource alarm) no heartbeat is sent; the
+/// controller does not judge agents by heartbeats then (it sees the alarm
+/// on its own connection).
 pub(crate) async fn heartbeat_loop(ctx: Arc<Ctx>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_secs_f64(ctx.cfg.heartbeat_secs));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -46,6 +49,12 @@ pub(crate) async fn heartbeat_loop(ctx: Arc<Ctx>, stop: CancellationToken) {
             _ = tick.tick() => {}
             _ = ctx.shared.heartbeat_now.notified() => {}
             _ = stop.cancelled() => return,
+        }
+        if ctx.publisher.is_blocked() {
+            // It would wait in the blocked connection and arrive stale;
+            // the first heartbeat after `connection.unblocked` replaces it.
+            debug!("heartbeat skipped: the broker blocks publishing");
+            continue;
         }
         let hb = heartbeat(&ctx);
         if let Err(e) = ctx

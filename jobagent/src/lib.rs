@@ -97,6 +97,7 @@ pub async fn run(
     supervise::prepare_host(&cfg);
     let (channel_tx, channel_rx) = watch::channel(None);
     let (lease_tx, lease_rx) = watch::channel(None);
+    let (blocked_tx, blocked_rx) = watch::channel(false);
     let outbox = report::Outbox::open(&cfg.state_dir).map_err(|source| AgentError::StateDir {
         path: cfg.state_dir.join("outbox"),
         source,
@@ -114,6 +115,7 @@ pub async fn run(
         shared: state::Shared::new(cfg.slots),
         publisher: report::Publisher::new(
             channel_rx,
+            blocked_rx,
             Duration::from_secs(cfg.broker.confirm_timeout_secs),
         ),
         sys: sys::HostSys,
@@ -125,8 +127,11 @@ pub async fn run(
     let stop = CancellationToken::new();
     let conn_task = tokio::spawn(session::connection_loop(
         ctx.clone(),
-        channel_tx,
-        lease_tx,
+        session::Links {
+            channel_tx,
+            lease_tx,
+            blocked_tx,
+        },
         stop.clone(),
     ));
     let hb_task = tokio::spawn(heartbeat::heartbeat_loop(ctx.clone(), stop.clone()));

@@ -22,20 +22,102 @@ pub use vq_common::messages::SUBMITTER_HEADER;
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
 
 /// Publishes on the current session's confirm channel.
+///
+/// The channel lives on the agent's publishing connection, which RabbitMQ
+/// blocks during a memory or disk alarm (`connection.blocked`, see
+/// <https://www.rabbitmq.com/docs/connection-blocked>): while it is
+/// blocked, publishes wait for `connection.unblocked` instead of timing out
+/// and being sent again (a message written into a blocked connection is
+/// still read by the broker later, so a retry would duplicate it). The
+/// confirm timeout counts unblocked time only.
 #[derive(Debug, Clone)]
 pub struct Publisher {
     channel: watch::Receiver<Option<Channel>>,
+    blocked: watch::Receiver<bool>,
     timeout: Duration,
 }
 
+/// How often a waiting publish re-checks the blocked flag and its channel.
+const BLOCKED_POLL: Duration = Duration::from_millis(250);
+
+/// Bound handed to [`publish_confirmed`]; the real bound is counted by
+/// [`Publisher::confirmed`], which skips blocked time.
+const NO_BOUND: Duration = Duration::from_secs(365 * 24 * 3600);
+
 impl Publisher {
     /// A publisher following `channel` (set by the session loop, `None`
-    /// while disconnected), waiting `timeout` for each confirm.
-    pub fn new(channel: watch::Receiver<Option<Channel>>, timeout: Duration) -> Self {
-        Publisher { channel, timeout }
+    /// while disconnected) and `blocked` (true while the broker blocks the
+    /// publishing connection), waiting `timeout` of unblocked time for each
+    /// confirm.
+    pub fn new(
+        channel: watch::Receiver<Option<Channel>>,
+        blocked: watch::Receiver<bool>,
+        timeout: Duration,
+    ) -> Self {
+        Publisher {
+            channel,
+            blocked,
+            timeout,
+        }
     }
 
-    /// Publishes once; fails at once when not connected.
+    /// True while the broker blocks the publishing connection (resource
+    /// alarm).
+    pub fn is_blocked(&self) -> bool {
+        *self.blocked.borrow()
+    }
+
+    /// Publishes on `ch` once the connection is not blocked and waits for
+    /// the confirm; `timeout` runs only while the connection is unblocked.
+    async fn confirmed(
+        &self,
+        ch: &Channel,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+        mandatory: bool,
+    ) -> Result<(), AmqpError> {
+        let gone = || AmqpError::Timeout {
+            what: format!("publish to {exchange:?} key {key:?} (channel closed)"),
+            secs: 0,
+        };
+        let mut blocked = self.blocked.clone();
+        loop {
+            if !*blocked.borrow_and_update() {
+                break;
+            }
+            if !ch.status().connected() {
+                return Err(gone());
+            }
+            let _ = tokio::time::timeout(BLOCKED_POLL, blocked.changed()).await;
+        }
+        let publish = publish_confirmed(ch, exchange, key, body, props, mandatory, NO_BOUND);
+        tokio::pin!(publish);
+        let mut unblocked_wait = Duration::ZERO;
+        loop {
+            tokio::select! {
+                r = &mut publish => return r,
+                _ = tokio::time::sleep(BLOCKED_POLL) => {
+                    if !ch.status().connected() {
+                        return Err(gone());
+                    }
+                    if !*self.blocked.borrow() {
+                        unblocked_wait += BLOCKED_POLL;
+                    }
+                    if unblocked_wait >= self.timeout {
+                        return Err(AmqpError::Timeout {
+                            what: format!("publish to {exchange:?} key {key:?}"),
+                            secs: self.timeout.as_secs(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes once; fails at once when not connected, waits while the
+    /// broker blocks publishing.
     ///
     /// # Errors
     /// [`AmqpError`] from the publish, or `Timeout` when not connected.
@@ -51,7 +133,8 @@ impl Publisher {
     }
 
     /// Publishes once, optionally `mandatory` (an unroutable message is
-    /// then an error); fails at once when not connected.
+    /// then an error); fails at once when not connected, waits while the
+    /// broker blocks publishing.
     ///
     /// # Errors
     /// [`AmqpError`] from the publish, or `Timeout` when not connected.
@@ -70,7 +153,8 @@ impl Publisher {
                 secs: 0,
             });
         };
-        publish_confirmed(&ch, exchange, key, body, props, mandatory, self.timeout).await
+        self.confirmed(&ch, exchange, key, body, props, mandatory)
+            .await
     }
 
     /// Publishes until the broker confirms, waiting for reconnects. Never
@@ -89,7 +173,8 @@ impl Publisher {
                 Err(_) => return, // the session loop is gone: shutting down
             };
             let Some(ch) = ch else { continue };
-            match publish_confirmed(&ch, exchange, key, body, props.clone(), false, self.timeout)
+            match self
+                .confirmed(&ch, exchange, key, body, props.clone(), false)
                 .await
             {
                 Ok(()) => return,

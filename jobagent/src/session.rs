@@ -12,6 +12,17 @@
 //! Every session declares the agent's lease queue and scans it before it
 //! consumes: leases left by a previous agent process are recovered, lease
 //! removals that failed during an outage are completed.
+//!
+//! A session has two connections, as RabbitMQ advises for clients that both
+//! publish and consume (<https://www.rabbitmq.com/docs/alarms>): during a
+//! memory or disk alarm the broker stops reading from connections that
+//! publish (`connection.blocked`) but not from connections that only
+//! consume. The *consuming* connection carries the pool, control and lease
+//! channels (deliveries, acks, `basic.get`, cancels), so control messages
+//! are still received and acted on; the *publishing* connection carries
+//! events, heartbeats, answers, claims and dead letters, which wait while
+//! it is blocked ([`crate::report::Publisher`]). While blocked the agent
+//! stops pulling (a claim could not be written) and skips heartbeats.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,15 +63,29 @@ fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
     }
 }
 
-/// Keeps a broker session up until `stop`; publishes the current confirm
-/// channel on `channel_tx` and the lease channel on `lease_tx` (`None`
-/// while disconnected).
-pub(crate) async fn connection_loop(
-    ctx: Arc<Ctx>,
-    channel_tx: watch::Sender<Option<Channel>>,
-    lease_tx: watch::Sender<Option<Channel>>,
-    stop: CancellationToken,
-) {
+/// Where a session announces its channels and state to the rest of the
+/// agent.
+pub(crate) struct Links {
+    /// The confirm channel on the publishing connection (`None` while
+    /// disconnected).
+    pub(crate) channel_tx: watch::Sender<Option<Channel>>,
+    /// The lease channel on the consuming connection (`None` while
+    /// disconnected).
+    pub(crate) lease_tx: watch::Sender<Option<Channel>>,
+    /// True while the broker blocks the publishing connection.
+    pub(crate) blocked_tx: watch::Sender<bool>,
+}
+
+impl Links {
+    fn disconnected(&self) {
+        self.channel_tx.send_replace(None);
+        self.lease_tx.send_replace(None);
+        self.blocked_tx.send_replace(false);
+    }
+}
+
+/// Keeps a broker session up until `stop`, announcing it on `links`.
+pub(crate) async fn connection_loop(ctx: Arc<Ctx>, links: Links, stop: CancellationToken) {
     let mut backoff = match Backoff::try_new(Duration::from_millis(500), Duration::from_secs(30)) {
         Ok(b) => b,
         Err(e) => {
@@ -72,58 +97,68 @@ pub(crate) async fn connection_loop(
         if stop.is_cancelled() {
             break;
         }
-        match session(&ctx, &channel_tx, &lease_tx, &stop, &mut backoff).await {
+        match session(&ctx, &links, &stop, &mut backoff).await {
             Ok(()) => break,
             Err(e) => {
                 warn!(pool = %ctx.cfg.pool, error = %chain(&e), "broker session ended; reconnecting")
             }
         }
-        channel_tx.send_replace(None);
-        lease_tx.send_replace(None);
+        links.disconnected();
         let delay = backoff.next_delay();
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = stop.cancelled() => break,
         }
     }
-    channel_tx.send_replace(None);
-    lease_tx.send_replace(None);
+    links.disconnected();
 }
 
 async fn session(
     ctx: &Arc<Ctx>,
-    channel_tx: &watch::Sender<Option<Channel>>,
-    lease_tx: &watch::Sender<Option<Channel>>,
+    links: &Links,
     stop: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<(), AgentError> {
     let name = format!("jobagent {}", ctx.agent);
-    let conn = tokio::select! {
-        c = connect(&ctx.cfg.broker, &name) => c?,
+    let conns = tokio::select! {
+        c = async {
+            let conn = connect(&ctx.cfg.broker, &name).await?;
+            match connect(&ctx.cfg.broker, &format!("{name} publish")).await {
+                Ok(p) => Ok((conn, p)),
+                Err(e) => {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "jobagent reconnecting".into())).await;
+                    Err(e)
+                }
+            }
+        } => c?,
         _ = stop.cancelled() => return Ok(()),
     };
-    let result = run_session(ctx, &conn, channel_tx, lease_tx, stop, backoff).await;
-    channel_tx.send_replace(None);
-    lease_tx.send_replace(None);
-    let _ = tokio::time::timeout(
-        Duration::from_secs(5),
-        conn.close(200, "jobagent stopping".into()),
-    )
-    .await;
+    let (conn, pub_conn) = conns;
+    let result = run_session(ctx, &conn, &pub_conn, links, stop, backoff).await;
+    links.disconnected();
+    // A blocked publishing connection does not read our close: bounded.
+    for c in [&conn, &pub_conn] {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            c.close(200, "jobagent stopping".into()),
+        )
+        .await;
+    }
     result
 }
 
 async fn run_session(
     ctx: &Arc<Ctx>,
     conn: &Connection,
-    channel_tx: &watch::Sender<Option<Channel>>,
-    lease_tx: &watch::Sender<Option<Channel>>,
+    pub_conn: &Connection,
+    links: &Links,
     stop: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<(), AgentError> {
     let topo = &ctx.topo;
     let pool = &ctx.cfg.pool;
-    let pub_ch = confirm_channel(conn).await?;
+    let mut pub_events = Box::pin(pub_conn.events_listener());
+    let pub_ch = confirm_channel(pub_conn).await?;
     declare_exchanges(&pub_ch, topo).await?;
     declare_pool_queue(&pub_ch, topo, pool).await?;
     // The dead-letter queue too: a job refused before any controller ran
@@ -191,8 +226,8 @@ async fn run_session(
     })
     .await?;
 
-    channel_tx.send_replace(Some(pub_ch.clone()));
-    lease_tx.send_replace(Some(lease_ch.clone()));
+    links.channel_tx.send_replace(Some(pub_ch.clone()));
+    links.lease_tx.send_replace(Some(lease_ch.clone()));
     scan_leases(ctx).await?;
     backoff.reset();
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
@@ -201,14 +236,15 @@ async fn run_session(
     let mut consumer: Option<Consumer> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut blocked = false;
     loop {
-        if consumer.is_none() && ctx.shared.wants_pull() {
+        if consumer.is_none() && ctx.shared.wants_pull() && !blocked {
             let free = ctx.shared.free_slots();
             if free > 0 {
                 consumer = Some(start_consumer(ctx, &jobs_ch, free).await?);
             }
         }
-        if ctx.shared.is_full() || !ctx.shared.wants_pull() {
+        if ctx.shared.is_full() || !ctx.shared.wants_pull() || blocked {
             if let Some(c) = consumer.take() {
                 stop_consumer(ctx, &jobs_ch, c).await?;
             }
@@ -246,12 +282,30 @@ async fn run_session(
                 Some(Err(e)) => return Err(op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
             },
+            e = pub_events.next() => match e {
+                Some(lapin::Event::ConnectionBlocked(reason)) => {
+                    warn!(pool = %pool, reason = %reason, "the broker blocks publishing (resource alarm): results, answers and claims wait, heartbeats are skipped, not pulling jobs");
+                    blocked = true;
+                    links.blocked_tx.send_replace(true);
+                }
+                Some(lapin::Event::ConnectionUnblocked) => {
+                    info!(pool = %pool, "the broker accepts publishing again");
+                    blocked = false;
+                    links.blocked_tx.send_replace(false);
+                    ctx.shared.heartbeat_now.notify_one();
+                }
+                Some(_) => {}
+                None => return Err(AgentError::Lost { what: "publishing connection events" }),
+            },
             // Stopping and restarting the consumer happens at the top of
             // the loop.
             _ = ctx.shared.pull_changed.notified() => {}
             _ = tick.tick() => {
                 if !conn.status().connected() {
                     return Err(AgentError::Lost { what: "connection" });
+                }
+                if !pub_conn.status().connected() {
+                    return Err(AgentError::Lost { what: "publishing connection" });
                 }
                 for (ch, what) in [(&pub_ch, "publish channel"), (&ctl_ch, "control channel"), (&jobs_ch, "jobs channel"), (&lease_ch, "lease channel")] {
                     if !ch.status().connected() {

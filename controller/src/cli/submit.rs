@@ -428,6 +428,15 @@ pub async fn publish_job(
             cluster: topo.cluster().to_string(),
             exchange,
         }),
+        // Not confirmed in time (e.g. a broker memory/disk alarm blocks
+        // publishing): the broker may still read the job later.
+        Err(source @ AmqpError::Timeout { .. }) => Err(CliError::Broker {
+            action: format!(
+                "submit job {} to pool {:?} (unconfirmed: it may still be queued when the broker accepts publishing again; check `vq stat {}` before submitting it again)",
+                job.id, job.pool, job.id
+            ),
+            source: Box::new(source),
+        }),
         Err(source) => Err(CliError::Broker {
             action: format!("submit job {} to pool {:?}", job.id, job.pool),
             source: Box::new(source),
