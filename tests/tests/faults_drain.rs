@@ -204,8 +204,8 @@ struct Trial {
     race: bool,
     /// The long job was claimed (started) by the drained agent.
     claimed: bool,
-    /// SIGTERM after the long job's publish (race) or start.
-    term_after_ms: u64,
+    /// When SIGTERM came.
+    term_after: String,
     /// SIGTERM → agent exit.
     exit_secs: f64,
     /// Executions of the long job.
@@ -292,19 +292,38 @@ async fn trial(
     broker.publish_job(&short, Some("guest")).await?;
     let s = tap.job_event(&short.id, "started", WAIT).await?;
     ensure!(s["agent"] == a1.as_str(), "{s}");
+    // Race trials: SIGTERM from 10 ms before to 15 ms after the long job's
+    // publish is confirmed; the agent claims a delivery within a few ms.
+    let offset_ms: i64 = if race { rand::random_range(-10..15) } else { 0 };
+    let n_seen = tap.seen.len();
+    // `systemctl stop`: SIGTERM to the agent alone.
+    let mut t_term = Instant::now();
+    if offset_ms < 0 {
+        agent1.signal(Signal::SIGTERM);
+        t_term = Instant::now();
+        tokio::time::sleep(Duration::from_millis(offset_ms.unsigned_abs())).await;
+    }
+    let t_publish = Instant::now();
     broker.publish_job(&long, Some("guest")).await?;
-    let term_after = if race {
-        Duration::from_millis(rand::random_range(0..40))
-    } else {
+    if !race {
         let s = tap.job_event(&long.id, "started", WAIT).await?;
         ensure!(s["agent"] == a1.as_str(), "{s}");
-        Duration::from_millis(rand::random_range(0..1000))
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..1000))).await;
+    } else if offset_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(offset_ms.unsigned_abs())).await;
+    }
+    if offset_ms >= 0 {
+        agent1.signal(Signal::SIGTERM);
+        t_term = Instant::now();
+    }
+    let term_after = if race {
+        format!("{offset_ms:+} ms after the long job's publish was confirmed")
+    } else {
+        format!(
+            "{} ms after the long job's start",
+            t_publish.elapsed().as_millis()
+        )
     };
-    tokio::time::sleep(term_after).await;
-    let t_term = Instant::now();
-    // `systemctl stop`: SIGTERM to the agent alone.
-    agent1.signal(Signal::SIGTERM);
-    let n_seen = tap.seen.len();
     broker.publish_job(&late, Some("guest")).await?;
 
     // It stops pulling at once.
@@ -398,6 +417,10 @@ async fn trial(
         );
     }
 
+    if !claimed {
+        // Never ran: its one execution (on the next agent) may be short.
+        std::fs::write(&long_mark, "")?;
+    }
     // A replacement agent: the late job runs there, and the long job too
     // when it is rerunnable or was never claimed (the controller returns
     // the lease of the stopped agent once its heartbeats are missed).
@@ -507,11 +530,9 @@ async fn trial(
         .context("idle agent did not exit")?;
     ensure!(st.success(), "trial {t}: idle agent exited with {st}");
     eprintln!(
-        "faults_drain trial {t}: -r {} {} SIGTERM {} ms after the long job's {}; stopped pulling after {:.2} s; exit 0 after {exit_secs:.1} s; long job {}, {} execution(s)",
+        "faults_drain trial {t}: -r {} {} SIGTERM {term_after}; stopped pulling after {:.2} s; exit 0 after {exit_secs:.1} s; long job {}, {} execution(s)",
         if rerunnable { "y" } else { "n" },
         if race { "race" } else { "running" },
-        term_after.as_millis(),
-        if race { "publish" } else { "start" },
         stop_pulling.as_secs_f64(),
         if !claimed { "not claimed (ran once elsewhere)" } else if rerunnable { "interrupted, rerun elsewhere" } else { "interrupted, failed + dead-lettered" },
         long_runs_expected,
@@ -520,7 +541,7 @@ async fn trial(
         rerunnable,
         race,
         claimed,
-        term_after_ms: term_after.as_millis() as u64,
+        term_after,
         exit_secs,
         long_runs: long_runs_expected,
     })
@@ -592,9 +613,13 @@ async fn systemd_stop_drains_with_a_grace_then_requeues_rerunnable_jobs() -> any
     let races = done.iter().filter(|r| r.race).count();
     let max_exit = done.iter().map(|r| r.exit_secs).fold(0.0, f64::max);
     let reruns: usize = done.iter().map(|r| r.long_runs.saturating_sub(1)).sum();
-    let delays: Vec<u64> = done.iter().map(|r| r.term_after_ms).collect();
+    let delays: Vec<&str> = done
+        .iter()
+        .filter(|r| r.race)
+        .map(|r| r.term_after.as_str())
+        .collect();
     eprintln!(
-        "faults_drain: {n} trials in {:.0} s ({races} racing the delivery; SIGTERM delays {delays:?} ms): \
+        "faults_drain: {n} trials in {:.0} s ({races} racing the delivery: SIGTERM {delays:?}): \
          {interrupted_r} rerunnable long jobs stopped after the grace and rerun once elsewhere ({reruns} reruns), \
          {interrupted_n} non-rerunnable ones failed + dead-lettered, {in_flight} in flight and run once elsewhere; \
          every short job finished within the grace, no late job taken by a draining agent; agents exited 0 within {max_exit:.1} s; \
