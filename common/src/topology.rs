@@ -213,6 +213,21 @@ impl Topology {
     pub fn fence_queue_args(&self) -> QueueArgs {
         vec![("x-queue-type", ArgValue::Str("quorum".into()))]
     }
+
+    /// Registry of agents that may hold leases: every agent process
+    /// publishes its id here (confirmed) before it pulls its first job, and
+    /// the controller removes an id when it fences that agent. It lets a
+    /// (stateless, restarted) controller find the lease queue of an agent
+    /// whose server vanished while nobody listened to its heartbeats.
+    pub fn agents_queue(&self) -> String {
+        format!("{}.agents", self.cluster)
+    }
+
+    /// Arguments of the agent registry (a quorum queue without a delivery
+    /// limit: the controller scans it by reading and returning entries).
+    pub fn agents_queue_args(&self) -> QueueArgs {
+        vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
 }
 
 /// Routing key of a job event: `job.<pool>.<word>`.

@@ -146,6 +146,12 @@ impl Broker {
             &self.topo.fence_queue_args(),
         )
         .await?;
+        amqp::declare_queue(
+            &channel,
+            &self.topo.agents_queue(),
+            &self.topo.agents_queue_args(),
+        )
+        .await?;
         let events = self.start_events(&conn).await?;
         let demand = self.start_demand(&conn).await?;
         let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
@@ -394,14 +400,28 @@ impl Broker {
     /// # Errors
     /// [`AmqpError`].
     pub async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        self.read_ids(&self.topo.fence_queue()).await
+    }
+
+    /// Agent ids in the agent registry ([`Topology::agents_queue`];
+    /// deduplicated, sorted).
+    ///
+    /// # Errors
+    /// [`AmqpError`].
+    pub async fn registered_agents(&self) -> Result<Vec<String>, AmqpError> {
+        self.read_ids(&self.topo.agents_queue()).await
+    }
+
+    /// Reads every entry (an agent id) of `queue` and returns them all to
+    /// it.
+    async fn read_ids(&self, queue: &str) -> Result<Vec<String>, AmqpError> {
         let ch = self.fresh_channel().await?;
-        let queue = self.topo.fence_queue();
-        let r = bounded("read the fence queue", OP_TIMEOUT, async {
+        let r = bounded(&format!("read {queue}"), OP_TIMEOUT, async {
             let mut out = Vec::new();
             while let Some(m) = ch
-                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
                 .await
-                .map_err(op_err("basic.get fence"))?
+                .map_err(op_err("basic.get (agent ids)"))?
             {
                 out.push(String::from_utf8_lossy(&m.delivery.data).into_owned());
                 if out.len() > 10_000 {
@@ -576,7 +596,10 @@ impl Broker {
                 .map_err(op_err("delete lease queue"))
         })
         .await?;
-        self.remove_fence_entries(ch, agent).await?;
+        self.remove_entries(ch, &self.topo.agents_queue(), agent)
+            .await?;
+        self.remove_entries(ch, &self.topo.fence_queue(), agent)
+            .await?;
         tracing::info!(
             agent,
             requeued = report.requeued.len(),
@@ -634,14 +657,20 @@ impl Broker {
         Ok(found)
     }
 
-    async fn remove_fence_entries(&self, ch: &Channel, agent: &str) -> Result<(), AmqpError> {
-        let queue = self.topo.fence_queue();
-        bounded("remove fence entries", OP_TIMEOUT, async {
+    /// Removes every entry `agent` from `queue` (the fence queue or the
+    /// agent registry), returning the others.
+    async fn remove_entries(
+        &self,
+        ch: &Channel,
+        queue: &str,
+        agent: &str,
+    ) -> Result<(), AmqpError> {
+        bounded(&format!("remove {agent} from {queue}"), OP_TIMEOUT, async {
             let mut others = Vec::new();
             while let Some(m) = ch
-                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
                 .await
-                .map_err(op_err("basic.get fence"))?
+                .map_err(op_err("basic.get (agent ids)"))?
             {
                 if m.delivery.data == agent.as_bytes() {
                     m.delivery

@@ -54,6 +54,11 @@ pub trait BrokerApi: Messenger {
     fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
         async { Ok(Vec::new()) }
     }
+    /// Agents in the registry (see
+    /// [`crate::broker::Broker::registered_agents`]). The default: none.
+    fn registered_agents(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
+        async { Ok(Vec::new()) }
+    }
     /// Empties and deletes `agent`'s lease queue (see
     /// [`crate::broker::Broker::fence`]). The default does nothing.
     fn fence(
@@ -84,6 +89,9 @@ impl BrokerApi for Broker {
     }
     async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
         Broker::pending_fences(self).await
+    }
+    async fn registered_agents(&self) -> Result<Vec<String>, AmqpError> {
+        Broker::registered_agents(self).await
     }
     async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
         Broker::fence(self, agent, loss_limit).await
@@ -437,6 +445,29 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     if let Err(e) = self.broker.mark_fence(agent).await {
                         tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
                     }
+                }
+            }
+            // Agents registered but not heard during a whole heartbeat
+            // timeout of listening, and without a server: their server
+            // vanished while no controller listened (or was deleted by
+            // someone else). Their leases would otherwise stay forever.
+            match self.broker.registered_agents().await {
+                Ok(registered) => {
+                    for agent in registered {
+                        if in_nova.contains(agent.as_str()) || events.agents.contains_key(&agent) {
+                            // Heard agents are judged above, by their own
+                            // heartbeat age and pool.
+                            continue;
+                        }
+                        tracing::warn!(agent = %agent, listening_secs, timeout_secs = timeout,
+                            "registered agent without a server, not heard since the controller listens: fencing it");
+                        if let Err(e) = self.broker.mark_fence(&agent).await {
+                            tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle")
                 }
             }
         }

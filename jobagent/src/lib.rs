@@ -70,6 +70,9 @@ pub(crate) struct Ctx {
     pub(crate) leases: consume::Leases,
     pub(crate) outbox: report::Outbox,
     pub(crate) sys: sys::HostSys,
+    /// Whether this process has put its id into the agent registry
+    /// (`Topology::agents_queue`), which it does before its first claim.
+    pub(crate) registered: std::sync::atomic::AtomicBool,
 }
 
 /// How long, after the drain grace, the agent waits for interrupted jobs to
@@ -119,6 +122,7 @@ pub async fn run(
             Duration::from_secs(cfg.broker.confirm_timeout_secs),
         ),
         sys: sys::HostSys,
+        registered: std::sync::atomic::AtomicBool::new(false),
         cfg,
     });
     info!(pool = %ctx.cfg.pool, agent = %ctx.agent, cluster = %ctx.cfg.cluster, slots = ctx.cfg.slots,

@@ -228,6 +228,7 @@ async fn run_session(
 
     links.channel_tx.send_replace(Some(pub_ch.clone()));
     links.lease_tx.send_replace(Some(lease_ch.clone()));
+    register(ctx, &pub_ch).await?;
     scan_leases(ctx).await?;
     backoff.reset();
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
@@ -315,6 +316,32 @@ async fn run_session(
             }
         }
     }
+}
+
+/// Puts this agent's id into the agent registry once per process, before
+/// it can claim a job: a controller that never heard this agent (its server
+/// vanished while no controller listened) still finds its lease queue.
+async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
+    use std::sync::atomic::Ordering;
+    if ctx.registered.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let queue = ctx.topo.agents_queue();
+    vq_common::amqp::declare_queue(ch, &queue, &ctx.topo.agents_queue_args()).await?;
+    ctx.publisher
+        .publish_once_mandatory(
+            "",
+            &queue,
+            ctx.agent.as_bytes(),
+            lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("text/plain".into()),
+            true,
+        )
+        .await?;
+    ctx.registered.store(true, Ordering::SeqCst);
+    debug!(queue = %queue, "registered in the agent registry");
+    Ok(())
 }
 
 async fn next_delivery(consumer: &mut Option<Consumer>) -> Option<lapin::Result<Delivery>> {

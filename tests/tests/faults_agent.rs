@@ -8,6 +8,9 @@
 //!   its own receive times): a rerunnable job runs again on another agent
 //!   and finishes once; a non-rerunnable one is reported failed
 //!   "node lost" and dead-lettered;
+//! * an agent that dies while no controller runs, and whose server is gone,
+//!   is found by a controller started later through the agent registry:
+//!   its rerunnable job runs again and finishes once;
 //! * ask-delete sent at random moments around a job's delivery never gets
 //!   "yes" from an agent that took the job, and the job is never lost.
 //!
@@ -310,6 +313,137 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
             let seq = if name == "fence-r" { r.seq() } else { n.seq() };
             let _ = std::fs::remove_file(alice.home.join(format!("{name}.{ext}{seq}")));
         }
+    }
+    sim.shutdown().await;
+    broker.cleanup().await;
+    Ok(())
+}
+
+/// Agents registered in `<c>.agents` (read and returned).
+async fn registered(broker: &TestBroker) -> anyhow::Result<Vec<String>> {
+    let ch = broker.conn.create_channel().await?;
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(
+            broker.topo.agents_queue().as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
+        out.push(String::from_utf8_lossy(&m.delivery.data).into_owned());
+    }
+    ch.close(200, "read".into()).await?;
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_registry(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "orphan";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let url = broker_url();
+
+    // The agent runs, takes a job and dies (with its job) before any
+    // controller runs: nobody ever hears its heartbeats.
+    let a1 = format!("{cluster}-o1");
+    let agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
+    wait_agent_up(&mut tap, &a1).await?;
+    ensure!(
+        registered(&broker).await?.contains(&a1),
+        "the agent did not register before taking jobs"
+    );
+    let (script, pidfile) = pid_script(&alice, "orphan-r", 3);
+    let r = job(pool, &alice.name, "orphan-r", &script);
+    broker.publish_job(&r, Some("guest")).await?;
+    let s1 = tap.job_event(&r.id, "started", WAIT).await?;
+    ensure!(s1["agent"] == a1.as_str(), "{s1}");
+    agent1.guard.signal(Signal::SIGKILL);
+    kill_job(&pidfile).await?;
+    ensure!(
+        broker.queue_len(&broker.topo.lease_queue(&a1)).await? == 1,
+        "the dead agent's lease is not in its lease queue"
+    );
+
+    // Now a controller starts, against a cloud without that server.
+    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
+    let controller_bin = build_bin("vq-controller", "vq-controller")?;
+    let tmp = tempfile::tempdir()?;
+    let agent_cfg = tmp.path().join("jobagent.toml");
+    std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
+    let sim = Sim::start(SimConfig::new(
+        tmp.path().join("sim"),
+        &agent_bin,
+        &agent_cfg,
+    ))
+    .await?;
+    let controller_cfg = tmp.path().join("controller.toml");
+    std::fs::write(
+        &controller_cfg,
+        format!(
+            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
+             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
+        ),
+    )?;
+    let mut cmd = Command::new(&controller_bin);
+    cmd.arg("--config")
+        .arg(&controller_cfg)
+        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
+        .env("OS_CLOUD", "cloudsim")
+        .env(
+            "RUST_LOG",
+            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "info".into()),
+        );
+    let t_controller = Instant::now();
+    let _controller = ChildGuard::spawn(cmd)?;
+    let a2 = format!("{cluster}-o2");
+    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
+    let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
+    ensure!(
+        s2["agent"] == a2.as_str(),
+        "second run on the new agent: {s2}"
+    );
+    let found_secs = t_controller.elapsed().as_secs_f64();
+    let fin = tap.job_event(&r.id, "finished", WAIT).await?;
+    ensure!(
+        fin["outcome"]["code"] == 0 && fin["agent"] == a2.as_str(),
+        "{fin}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = tap
+        .wait_for(Duration::from_millis(500), "late events", |_, _| false)
+        .await;
+    ensure!(
+        count(&tap, &r.id, "started") == 2
+            && count(&tap, &r.id, "finished") == 1
+            && count(&tap, &r.id, "failed") == 0,
+        "started {} finished {} failed {}",
+        count(&tap, &r.id, "started"),
+        count(&tap, &r.id, "finished"),
+        count(&tap, &r.id, "failed")
+    );
+    ensure!(
+        broker
+            .queue_len(&broker.topo.lease_queue(&a1))
+            .await
+            .is_err(),
+        "the orphaned lease queue still exists"
+    );
+    let reg = registered(&broker).await?;
+    ensure!(
+        !reg.contains(&a1) && reg.contains(&a2),
+        "registry after the fence: {reg:?}"
+    );
+    eprintln!("faults_agent orphan: a controller started after the agent died returned its job in {found_secs:.1} s (heartbeat timeout 2 s); started 2 (1 killed), finished 1, lost 0");
+    for ext in ["o", "e"] {
+        let _ = std::fs::remove_file(alice.home.join(format!("orphan-r.{ext}{}", r.seq())));
     }
     sim.shutdown().await;
     broker.cleanup().await;
