@@ -317,7 +317,7 @@ async fn trial(
         t_term = Instant::now();
     }
     let term_after = if race {
-        format!("{offset_ms:+} ms after the long job's publish was confirmed")
+        format!("{offset_ms:+} ms from the long job's publish")
     } else {
         format!(
             "{} ms after the long job's start",

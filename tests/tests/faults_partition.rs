@@ -239,10 +239,10 @@ async fn trial(
         tap.job_event(&j.id, "started", WAIT).await?;
         let t_started = Instant::now();
         // Running: partition 0.5-2 s into the 12 s job. Finishing: from
-        // 1 s before to 0.3 s after the 3 s job's end.
+        // 1.2 s before to 0.1 s after the 3 s job's end (as seen here).
         let offset = match moment {
             Moment::Running => rand::random_range(0.5..2.0),
-            _ => rand::random_range(secs - 1.0..secs + 0.3),
+            _ => rand::random_range(secs - 1.2..secs + 0.1),
         };
         offset_secs = Some(offset);
         tokio::time::sleep(Duration::from_secs_f64(offset).saturating_sub(t_started.elapsed()))
