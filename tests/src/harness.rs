@@ -589,6 +589,15 @@ pub struct AgentProcess {
     pub dir: tempfile::TempDir,
 }
 
+/// Trials of a randomised fault test: `VQ_FAULT_TRIALS` when set (to run
+/// many by hand), else `default` (sized for CI's time budget).
+pub fn fault_trials(default: usize) -> usize {
+    std::env::var("VQ_FAULT_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Starts `jobagent` for `cluster`/`pool` as agent `agent_id` with the
 /// config keys in `extra_toml` appended (e.g. `min_uid = 1000`), the
 /// broker [`broker_url`], and `env` added to its environment. Its log goes

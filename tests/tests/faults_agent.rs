@@ -453,6 +453,10 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
 /// Ask-delete trials.
 const ASK_TRIALS: usize = 12;
 
+fn ask_trials() -> usize {
+    vq_tests::harness::fault_trials(ASK_TRIALS)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> anyhow::Result<()> {
@@ -466,7 +470,7 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
     let mut tap = broker.tap_events().await?;
     let url = broker_url();
     let (mut yes, mut no) = (0, 0);
-    for trial in 0..ASK_TRIALS {
+    for trial in 0..ask_trials() {
         let agent_id = format!("{cluster}-r{trial}");
         let agent = start_agent_url(&url, &cluster, pool, &agent_id, TRUST_GUEST)?;
         wait_agent_up(&mut tap, &agent_id).await?;
@@ -547,7 +551,7 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
         let _ = std::fs::remove_file(alice.home.join(format!("race{trial}.o{}", j.seq())));
         let _ = std::fs::remove_file(alice.home.join(format!("race{trial}.e{}", j.seq())));
     }
-    eprintln!("faults_agent ask-delete race: {ASK_TRIALS} trials, {yes} yes (job stayed queued), {no} no (job ran); 0 violations");
+    eprintln!("faults_agent ask-delete race: {} trials, {yes} yes (job stayed queued), {no} no (job ran); 0 violations", ask_trials());
     if yes == 0 || no == 0 {
         eprintln!("note: only one side of the race was hit this time");
     }

@@ -34,11 +34,9 @@ const POOL: &str = "fa";
 const TAP: &str = "faults-alarm-tap";
 const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
 
+/// Alarm trials (each about 10 s); `VQ_FAULT_TRIALS` overrides.
 fn trials() -> usize {
-    std::env::var("VQ_FAULT_TRIALS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3)
+    vq_tests::harness::fault_trials(3)
 }
 
 /// Events collected from the durable tap.

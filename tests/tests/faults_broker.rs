@@ -29,6 +29,10 @@ const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
 /// Broker crash trials (each costs one node restart, about 8 s).
 const CRASH_TRIALS: usize = 4;
 
+fn crash_trials() -> usize {
+    vq_tests::harness::fault_trials(CRASH_TRIALS)
+}
+
 /// Events collected from the durable tap.
 #[derive(Default)]
 struct Seen(Vec<(String, serde_json::Value)>);
@@ -185,7 +189,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
 
     // Broker crashes at random moments while a job runs.
     let mut kill_at = Vec::new();
-    for trial in 0..CRASH_TRIALS {
+    for trial in 0..crash_trials() {
         let j = job(
             POOL,
             &alice.name,
@@ -269,7 +273,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     );
     eprintln!(
         "faults_broker: {} crash trials (kill after {kill_at:?}); per job (started, final results): {report:?}; lost 0, duplicated 0, interrupted 0",
-        CRASH_TRIALS
+        crash_trials()
     );
     Ok(())
 }

@@ -52,14 +52,6 @@ const EXIT_SLACK: Duration = Duration::from_secs(5);
 const WAIT: Duration = Duration::from_secs(30);
 const DEFAULT_TRIALS: usize = 6;
 
-/// Trials to run: `VQ_FAULT_TRIALS` or `default`.
-fn trials(default: usize) -> usize {
-    std::env::var("VQ_FAULT_TRIALS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// Starts `jobagent` on `dir` (config, identity and state there) with
 /// `--drain-grace-secs`, as the packaged systemd unit does. Its log goes
 /// to the test's stderr.
@@ -597,7 +589,7 @@ async fn systemd_stop_drains_with_a_grace_then_requeues_rerunnable_jobs() -> any
     // heartbeat timeout.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    let n = trials(DEFAULT_TRIALS);
+    let n = vq_tests::harness::fault_trials(DEFAULT_TRIALS);
     let mut files = Files { paths: Vec::new() };
     let mut done = Vec::new();
     let t0 = Instant::now();

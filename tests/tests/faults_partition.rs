@@ -45,14 +45,6 @@ const AMQP_HEARTBEAT: u64 = 2;
 const WAIT: Duration = Duration::from_secs(40);
 const DEFAULT_TRIALS: usize = 6;
 
-/// Trials to run: `VQ_FAULT_TRIALS` or `default`.
-fn trials(default: usize) -> usize {
-    std::env::var("VQ_FAULT_TRIALS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn now_unix() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -383,7 +375,7 @@ async fn a_silent_partition_neither_loses_nor_duplicates_jobs() -> anyhow::Resul
         agent_id: &agent_id,
         agent_log: &agent_log,
     };
-    let n = trials(DEFAULT_TRIALS);
+    let n = vq_tests::harness::fault_trials(DEFAULT_TRIALS);
     let mut files = Cleanup(Vec::new());
     let mut done = Vec::new();
     let t0 = Instant::now();
