@@ -233,9 +233,12 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         // alarm is not this controller's failure).
         let probed = match self.broker.blocked() {
             Some(reason) => Err(reason),
-            None => match self.broker.probe().await {
-                Ok(()) => self.broker.blocked().map_or(Ok(()), Err),
-                Err(e) => {
+            // A probe stuck behind an alarm another publish raised ends in
+            // a timeout: the blocked flag, set meanwhile, decides.
+            None => match (self.broker.probe().await, self.broker.blocked()) {
+                (_, Some(reason)) => Err(reason),
+                (Ok(()), None) => Ok(()),
+                (Err(e), None) => {
                     let e = ObserveError::Broker(e);
                     for p in &ready {
                         self.fail_pool(p, now, &e, None);

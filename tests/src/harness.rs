@@ -555,6 +555,186 @@ impl EventTap {
     }
 }
 
+impl EventTap {
+    /// Events `job.<pool>.<word>` of `job_id` seen so far.
+    pub fn events(&self, job_id: &str, word: &str) -> Vec<&serde_json::Value> {
+        job_events(&self.seen, job_id, word)
+    }
+
+    /// Final results (any job event but `started`) of `job_id` seen so far.
+    pub fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
+        final_results(&self.seen, job_id)
+    }
+}
+
+/// Job events `job.<pool>.<word>` of `job_id` among `(routing key, body)`
+/// pairs.
+pub fn job_events<'a>(
+    seen: &'a [(String, serde_json::Value)],
+    job_id: &str,
+    word: &str,
+) -> Vec<&'a serde_json::Value> {
+    seen.iter()
+        .filter(|(k, v)| {
+            k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id
+        })
+        .map(|(_, v)| v)
+        .collect()
+}
+
+/// Final results (any job event but `started`) of `job_id` among
+/// `(routing key, body)` pairs.
+pub fn final_results<'a>(
+    seen: &'a [(String, serde_json::Value)],
+    job_id: &str,
+) -> Vec<&'a serde_json::Value> {
+    seen.iter()
+        .filter(|(k, v)| k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+/// Events read from a durable tap queue ([`TestBroker::durable_tap`]) with
+/// `basic.get`: survives broker restarts and never needs a publish, so it
+/// also works on a connection the broker would block during an alarm.
+#[derive(Debug, Default)]
+pub struct DurableTap {
+    /// The tap queue.
+    pub queue: String,
+    /// Every event read so far: (routing key, JSON body).
+    pub seen: Vec<(String, serde_json::Value)>,
+}
+
+impl DurableTap {
+    /// Reads the tap queue `queue` (declare it with
+    /// [`TestBroker::durable_tap`]).
+    pub fn new(queue: &str) -> Self {
+        DurableTap {
+            queue: queue.into(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Takes what arrived through `b`.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn poll(&mut self, b: &TestBroker) -> anyhow::Result<()> {
+        let got = b.drain_queue(&self.queue).await?;
+        self.seen.extend(got);
+        Ok(())
+    }
+
+    /// Number of events `job.<pool>.<word>` of `job_id`.
+    pub fn count(&self, job_id: &str, word: &str) -> usize {
+        job_events(&self.seen, job_id, word).len()
+    }
+
+    /// Final results of `job_id`.
+    pub fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
+        final_results(&self.seen, job_id)
+    }
+
+    /// Number of events whose routing key ends with `suffix`.
+    pub fn keys(&self, suffix: &str) -> usize {
+        self.seen
+            .iter()
+            .filter(|(k, _)| k.ends_with(suffix))
+            .count()
+    }
+
+    /// Polls through `b` every 200 ms until `pred` holds.
+    ///
+    /// # Errors
+    /// On timeout (listing the job and drain events seen) or broker errors.
+    pub async fn wait(
+        &mut self,
+        b: &TestBroker,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&DurableTap) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            self.poll(b).await?;
+            if pred(self) {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                let keys: Vec<String> = self
+                    .seen
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("job.") || k.ends_with(".drained"))
+                    .map(|(k, v)| format!("{k} {}", v["job_id"]))
+                    .collect();
+                bail!("timed out waiting for {what}; events: {keys:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// A `vq-controller` process against an empty `vq-cloudsim` (pool `max` =
+/// 0: it boots nothing). Agents started by a test have no server there, so
+/// the controller fences them once their heartbeats stop (heartbeat
+/// timeout 2 s, cycle 0.5 s).
+pub struct EmptyCloudController {
+    /// The test cloud (call `shutdown` at the end).
+    pub sim: crate::cloudsim::SimHandle,
+    /// The controller process.
+    pub guard: ChildGuard,
+    _dir: tempfile::TempDir,
+}
+
+/// Starts an [`EmptyCloudController`] for `cluster`/`pool` on the broker at
+/// `url`; its log level is `VQ_TEST_CONTROLLER_LOG` or `log`.
+///
+/// # Errors
+/// If a binary cannot be built, the cloud or the process started.
+pub async fn start_controller_on_empty_cloud(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    log: &str,
+) -> anyhow::Result<EmptyCloudController> {
+    use crate::cloudsim::{Sim, SimConfig};
+    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
+    let controller_bin = build_bin("vq-controller", "vq-controller")?;
+    let dir = tempfile::tempdir()?;
+    let agent_cfg = dir.path().join("jobagent.toml");
+    std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
+    let sim = Sim::start(SimConfig::new(
+        dir.path().join("sim"),
+        &agent_bin,
+        &agent_cfg,
+    ))
+    .await?;
+    let controller_cfg = dir.path().join("controller.toml");
+    std::fs::write(
+        &controller_cfg,
+        format!(
+            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
+             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
+        ),
+    )?;
+    let mut cmd = Command::new(&controller_bin);
+    cmd.arg("--config")
+        .arg(&controller_cfg)
+        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
+        .env("OS_CLOUD", "cloudsim")
+        .env(
+            "RUST_LOG",
+            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| log.into()),
+        );
+    let guard = ChildGuard::spawn(cmd)?;
+    Ok(EmptyCloudController {
+        sim,
+        guard,
+        _dir: dir,
+    })
+}
+
 /// A job for `owner` in `pool` running `script`, with a fresh id.
 pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
     Job {
@@ -712,34 +892,18 @@ pub fn start_agent_in(
     extra_toml: &str,
     dir: &Path,
 ) -> anyhow::Result<ChildGuard> {
-    let bin = build_bin("vq-jobagent", "jobagent")?;
-    let config = dir.join("jobagent.toml");
-    std::fs::write(
-        &config,
-        format!("heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{extra_toml}\n[broker]\nurl = \"{url}\"\n"),
-    )?;
-    let identity = dir.join("identity.toml");
-    std::fs::write(
-        &identity,
-        format!("cluster = \"{cluster}\"\npool = \"{pool}\"\nagent_id = \"{agent_id}\"\n"),
-    )?;
-    let mut cmd = Command::new(bin);
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--identity")
-        .arg(&identity)
-        .arg("--state-dir")
-        .arg(dir.join("state"));
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("VQ_") {
-            cmd.env_remove(k);
-        }
+    AgentLaunch {
+        url,
+        cluster,
+        pool,
+        agent_id,
+        extra_toml,
+        broker_toml: "",
+        dir,
+        stderr: None,
+        args: &[],
     }
-    cmd.env(
-        "RUST_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-    );
-    ChildGuard::spawn(cmd)
+    .spawn()
 }
 
 /// [`start_agent`] against the broker at `url` (e.g. a private
@@ -860,6 +1024,8 @@ pub struct AgentLaunch<'a> {
     pub dir: &'a Path,
     /// File the agent's stderr (its log) goes to (`None`: the test's).
     pub stderr: Option<&'a Path>,
+    /// Extra command-line arguments (e.g. `--drain-grace-secs`).
+    pub args: &'a [&'a str],
 }
 
 impl AgentLaunch<'_> {
@@ -892,7 +1058,8 @@ impl AgentLaunch<'_> {
             .arg("--identity")
             .arg(&identity)
             .arg("--state-dir")
-            .arg(self.dir.join("state"));
+            .arg(self.dir.join("state"))
+            .args(self.args);
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("VQ_") {
                 cmd.env_remove(k);

@@ -16,16 +16,14 @@
 //!
 //! Root only: `cargo test -p vq-tests --test faults_agent -- --include-ignored`.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use nix::sys::signal::Signal;
 use vq_common::messages::Control;
-use vq_tests::cloudsim::{Sim, SimConfig};
 use vq_tests::harness::{
-    broker_url, build_bin, ensure_test_user, job, require_root, start_agent_in, start_agent_url,
-    unique_cluster, wait_agent_up, ChildGuard, EventTap, TestBroker, TestUser,
+    broker_url, ensure_test_user, job, require_root, start_agent_in, start_agent_url,
+    start_controller_on_empty_cloud, unique_cluster, wait_agent_up, EventTap, TestBroker, TestUser,
 };
 
 const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
@@ -195,36 +193,7 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     // The controller runs against an empty test cloud (max 0: it boots
     // nothing); the agents are started here, so they are fenced as agents
     // without a server once their heartbeats stop.
-    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
-    let controller_bin = build_bin("vq-controller", "vq-controller")?;
-    let tmp = tempfile::tempdir()?;
-    let agent_cfg = tmp.path().join("jobagent.toml");
-    std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
-    let sim = Sim::start(SimConfig::new(
-        tmp.path().join("sim"),
-        &agent_bin,
-        &agent_cfg,
-    ))
-    .await?;
-    let controller_cfg = tmp.path().join("controller.toml");
-    std::fs::write(
-        &controller_cfg,
-        format!(
-            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
-             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
-        ),
-    )?;
-    let mut cmd = Command::new(&controller_bin);
-    cmd.arg("--config")
-        .arg(&controller_cfg)
-        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
-        .env("OS_CLOUD", "cloudsim")
-        .env(
-            "RUST_LOG",
-            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "info".into()),
-        );
-    let _controller = ChildGuard::spawn(cmd)?;
+    let controller = start_controller_on_empty_cloud(&url, &cluster, pool, "info").await?;
     // The controller knows agents without a server only from their
     // heartbeats: let it listen before the first agent starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -314,7 +283,7 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
             let _ = std::fs::remove_file(alice.home.join(format!("{name}.{ext}{seq}")));
         }
     }
-    sim.shutdown().await;
+    controller.sim.shutdown().await;
     broker.cleanup().await;
     Ok(())
 }
@@ -372,37 +341,8 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     );
 
     // Now a controller starts, against a cloud without that server.
-    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
-    let controller_bin = build_bin("vq-controller", "vq-controller")?;
-    let tmp = tempfile::tempdir()?;
-    let agent_cfg = tmp.path().join("jobagent.toml");
-    std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
-    let sim = Sim::start(SimConfig::new(
-        tmp.path().join("sim"),
-        &agent_bin,
-        &agent_cfg,
-    ))
-    .await?;
-    let controller_cfg = tmp.path().join("controller.toml");
-    std::fs::write(
-        &controller_cfg,
-        format!(
-            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
-             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
-        ),
-    )?;
-    let mut cmd = Command::new(&controller_bin);
-    cmd.arg("--config")
-        .arg(&controller_cfg)
-        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
-        .env("OS_CLOUD", "cloudsim")
-        .env(
-            "RUST_LOG",
-            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "info".into()),
-        );
     let t_controller = Instant::now();
-    let _controller = ChildGuard::spawn(cmd)?;
+    let controller = start_controller_on_empty_cloud(&url, &cluster, pool, "info").await?;
     let a2 = format!("{cluster}-o2");
     let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
     let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
@@ -445,7 +385,7 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     for ext in ["o", "e"] {
         let _ = std::fs::remove_file(alice.home.join(format!("orphan-r.{ext}{}", r.seq())));
     }
-    sim.shutdown().await;
+    controller.sim.shutdown().await;
     broker.cleanup().await;
     Ok(())
 }

@@ -27,7 +27,7 @@ use vq_common::config::BrokerConfig;
 use vq_common::messages::Control;
 use vq_common::topology::Topology;
 use vq_controller::broker::Broker;
-use vq_tests::harness::{ensure_test_user, job, require_root, AgentLaunch, TestBroker};
+use vq_tests::harness::{ensure_test_user, job, require_root, AgentLaunch, DurableTap, TestBroker};
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "fa";
@@ -37,60 +37,6 @@ const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
 /// Alarm trials (each about 10 s); `VQ_FAULT_TRIALS` overrides.
 fn trials() -> usize {
     vq_tests::harness::fault_trials(3)
-}
-
-/// Events collected from the durable tap.
-#[derive(Default)]
-struct Seen(Vec<(String, serde_json::Value)>);
-
-impl Seen {
-    async fn poll(&mut self, b: &TestBroker) -> anyhow::Result<()> {
-        self.0.extend(b.drain_queue(TAP).await?);
-        Ok(())
-    }
-    fn count(&self, job_id: &str, word: &str) -> usize {
-        self.0
-            .iter()
-            .filter(|(k, v)| k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
-            .count()
-    }
-    fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
-        self.0
-            .iter()
-            .filter(|(k, v)| {
-                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
-            })
-            .map(|(_, v)| v)
-            .collect()
-    }
-    fn keys(&self, suffix: &str) -> usize {
-        self.0.iter().filter(|(k, _)| k.ends_with(suffix)).count()
-    }
-    async fn wait(
-        &mut self,
-        b: &TestBroker,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Seen) -> bool,
-    ) -> anyhow::Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.poll(b).await?;
-            if pred(self) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                let keys: Vec<String> = self
-                    .0
-                    .iter()
-                    .filter(|(k, _)| k.starts_with("job.") || k.ends_with(".drained"))
-                    .map(|(k, v)| format!("{k} {}", v["job_id"]))
-                    .collect();
-                bail!("timed out waiting for {what}; events: {keys:#?}");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
 }
 
 /// `(client-provided name, state)` of the node's client connections.
@@ -218,9 +164,10 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         broker_toml: "",
         dir: dir.path(),
         stderr: Some(&log),
+        args: &[],
     };
     let mut guard = agent.spawn()?;
-    let mut seen = Seen::default();
+    let mut seen = DurableTap::new(TAP);
     seen.wait(&reader, "first heartbeat", Duration::from_secs(30), |s| {
         s.keys(".heartbeat") > 0
     })

@@ -14,12 +14,12 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure};
+use anyhow::ensure;
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use vq_tests::harness::{
-    ensure_test_user, job, require_root, start_agent_url, unique_cluster, TestBroker,
+    ensure_test_user, job, require_root, start_agent_url, unique_cluster, DurableTap, TestBroker,
 };
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
@@ -31,57 +31,6 @@ const CRASH_TRIALS: usize = 4;
 
 fn crash_trials() -> usize {
     vq_tests::harness::fault_trials(CRASH_TRIALS)
-}
-
-/// Events collected from the durable tap.
-#[derive(Default)]
-struct Seen(Vec<(String, serde_json::Value)>);
-
-impl Seen {
-    async fn poll(&mut self, b: &TestBroker) -> anyhow::Result<()> {
-        self.0.extend(b.drain_queue(TAP).await?);
-        Ok(())
-    }
-    fn count(&self, job_id: &str, word: &str) -> usize {
-        self.0
-            .iter()
-            .filter(|(k, v)| k.ends_with(&format!(".{word}")) && v["job_id"] == job_id)
-            .count()
-    }
-    fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
-        self.0
-            .iter()
-            .filter(|(k, v)| {
-                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
-            })
-            .map(|(_, v)| v)
-            .collect()
-    }
-    async fn wait(
-        &mut self,
-        b: &TestBroker,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&Seen) -> bool,
-    ) -> anyhow::Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.poll(b).await?;
-            if pred(self) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                let keys: Vec<String> = self
-                    .0
-                    .iter()
-                    .filter(|(k, _)| k.starts_with("job."))
-                    .map(|(k, v)| format!("{k} {}", v["job_id"]))
-                    .collect();
-                bail!("timed out waiting for {what}; job events: {keys:#?}");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
 }
 
 /// Connects and declares; after a restart, quorum queues and streams come
@@ -171,9 +120,9 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     consumer_timeout_is_enforced(&broker).await?;
     let agent_id = format!("{cluster}-a1");
     let _agent = start_agent_url(&node.url(), &cluster, POOL, &agent_id, TRUST_GUEST)?;
-    let mut seen = Seen::default();
+    let mut seen = DurableTap::new(TAP);
     seen.wait(&broker, "first heartbeat", Duration::from_secs(20), |s| {
-        s.0.iter().any(|(k, _)| k.ends_with(".heartbeat"))
+        s.keys(".heartbeat") > 0
     })
     .await?;
 

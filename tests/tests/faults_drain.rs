@@ -30,16 +30,15 @@
 //! `cargo test -p vq-tests --test faults_drain -- --include-ignored --nocapture`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use nix::sys::signal::Signal;
 use vq_common::messages::Job;
-use vq_tests::cloudsim::{Sim, SimConfig};
 use vq_tests::harness::{
-    build_bin, ensure_test_user, job, require_root, unique_cluster, wait_agent_up, ChildGuard,
-    EventTap, TestBroker, TestUser,
+    ensure_test_user, job, require_root, start_controller_on_empty_cloud, unique_cluster,
+    wait_agent_up, AgentLaunch, ChildGuard, EventTap, TestBroker, TestUser,
 };
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
@@ -62,38 +61,19 @@ fn spawn_agent(
     grace: Duration,
     dir: &Path,
 ) -> anyhow::Result<ChildGuard> {
-    let bin = build_bin("vq-jobagent", "jobagent")?;
-    let config = dir.join("jobagent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{AGENT_TOML}\n[broker]\nurl = \"{url}\"\n"
-        ),
-    )?;
-    let identity = dir.join("identity.toml");
-    std::fs::write(
-        &identity,
-        format!("cluster = \"{cluster}\"\npool = \"{POOL}\"\nagent_id = \"{agent_id}\"\n"),
-    )?;
-    let mut cmd = Command::new(bin);
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--identity")
-        .arg(&identity)
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .arg("--drain-grace-secs")
-        .arg(grace.as_secs().to_string());
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("VQ_") {
-            cmd.env_remove(k);
-        }
+    let grace = grace.as_secs().to_string();
+    AgentLaunch {
+        url,
+        cluster,
+        pool: POOL,
+        agent_id,
+        extra_toml: AGENT_TOML,
+        broker_toml: "",
+        dir,
+        stderr: None,
+        args: &["--drain-grace-secs", &grace],
     }
-    cmd.env(
-        "RUST_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-    );
-    ChildGuard::spawn(cmd)
+    .spawn()
 }
 
 /// Waits (without blocking the runtime) up to `timeout` for `child` to
@@ -109,26 +89,6 @@ async fn wait_exit(child: &mut ChildGuard, timeout: Duration) -> Option<ExitStat
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// Job events of `job_id` with word `word` (`started`, `finished`, …).
-fn events<'a>(tap: &'a EventTap, job_id: &str, word: &str) -> Vec<&'a serde_json::Value> {
-    tap.seen
-        .iter()
-        .filter(|(k, v)| {
-            k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id
-        })
-        .map(|(_, v)| v)
-        .collect()
-}
-
-/// Final results (anything but `started`) of `job_id`.
-fn finals<'a>(tap: &'a EventTap, job_id: &str) -> Vec<&'a serde_json::Value> {
-    tap.seen
-        .iter()
-        .filter(|(k, v)| k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id)
-        .map(|(_, v)| v)
-        .collect()
 }
 
 /// `is_pull` of `agent`'s heartbeats seen from index `from` on.
@@ -154,7 +114,7 @@ async fn nth_started(
 ) -> anyhow::Result<serde_json::Value> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(v) = events(tap, job_id, "started").get(n - 1) {
+        if let Some(v) = tap.events(job_id, "started").get(n - 1) {
             return Ok((*v).clone());
         }
         ensure!(
@@ -364,7 +324,7 @@ async fn trial(
             .all(|p| !p),
         "trial {t}: the agent said is_pull again after SIGTERM"
     );
-    let claimed = !events(tap, &long.id, "started").is_empty();
+    let claimed = !tap.events(&long.id, "started").is_empty();
     ensure!(
         race || claimed,
         "trial {t}: long job not started before the signal"
@@ -378,7 +338,7 @@ async fn trial(
     }
     // The late job was not taken, though a slot was free for 2 s.
     ensure!(
-        events(tap, &late.id, "started").is_empty(),
+        tap.events(&late.id, "started").is_empty(),
         "trial {t}: the draining agent took a job submitted after SIGTERM"
     );
     let queued = queue_len(broker, &broker.topo.pool_queue(POOL))
@@ -403,9 +363,9 @@ async fn trial(
     }
     if claimed && rerunnable {
         ensure!(
-            finals(tap, &long.id).is_empty(),
+            tap.finals(&long.id).is_empty(),
             "trial {t}: an interrupted rerunnable job got a result: {:?}",
-            finals(tap, &long.id)
+            tap.finals(&long.id)
         );
     }
 
@@ -456,8 +416,8 @@ async fn trial(
         (&late, &late_log, 1),
         (&long, &long_log, long_runs_expected),
     ] {
-        let started = events(tap, &j.id, "started").len();
-        let fin = finals(tap, &j.id);
+        let started = tap.events(&j.id, "started").len();
+        let fin = tap.finals(&j.id);
         let (ran, ended) = runs(log);
         ensure!(
             started == runs_expected && ran == runs_expected,
@@ -555,36 +515,7 @@ async fn systemd_stop_drains_with_a_grace_then_requeues_rerunnable_jobs() -> any
     // The controller against an empty test cloud (max 0): it boots
     // nothing, and fences agents without a server once their heartbeats
     // stop, as it fences a stopped agent's VM.
-    let agent_bin = build_bin("vq-jobagent", "jobagent")?;
-    let controller_bin = build_bin("vq-controller", "vq-controller")?;
-    let tmp = tempfile::tempdir()?;
-    let sim_agent_cfg = tmp.path().join("jobagent.toml");
-    std::fs::write(&sim_agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
-    let sim = Sim::start(SimConfig::new(
-        tmp.path().join("sim"),
-        &agent_bin,
-        &sim_agent_cfg,
-    ))
-    .await?;
-    let controller_cfg = tmp.path().join("controller.toml");
-    std::fs::write(
-        &controller_cfg,
-        format!(
-            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
-             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
-        ),
-    )?;
-    let mut cmd = Command::new(&controller_bin);
-    cmd.arg("--config")
-        .arg(&controller_cfg)
-        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
-        .env("OS_CLOUD", "cloudsim")
-        .env(
-            "RUST_LOG",
-            std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| "warn".into()),
-        );
-    let _controller = ChildGuard::spawn(cmd)?;
+    let controller = start_controller_on_empty_cloud(&url, &cluster, POOL, "warn").await?;
     // It judges agents without a server only after listening a whole
     // heartbeat timeout.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -618,7 +549,7 @@ async fn systemd_stop_drains_with_a_grace_then_requeues_rerunnable_jobs() -> any
          lost 0, duplicated 0, unexpected interruptions 0",
         t0.elapsed().as_secs_f64()
     );
-    sim.shutdown().await;
+    controller.sim.shutdown().await;
     broker.cleanup().await;
     drop(node);
     Ok(())

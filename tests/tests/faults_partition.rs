@@ -52,26 +52,6 @@ fn now_unix() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Job events of `job_id` with word `word`.
-fn events<'a>(tap: &'a EventTap, job_id: &str, word: &str) -> Vec<&'a serde_json::Value> {
-    tap.seen
-        .iter()
-        .filter(|(k, v)| {
-            k.starts_with("job.") && k.ends_with(&format!(".{word}")) && v["job_id"] == job_id
-        })
-        .map(|(_, v)| v)
-        .collect()
-}
-
-/// Final results (anything but `started`) of `job_id`.
-fn finals<'a>(tap: &'a EventTap, job_id: &str) -> Vec<&'a serde_json::Value> {
-    tap.seen
-        .iter()
-        .filter(|(k, v)| k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id)
-        .map(|(_, v)| v)
-        .collect()
-}
-
 /// Lets events arrive for `d`.
 async fn settle(tap: &mut EventTap, d: Duration) {
     let _ = tap.wait_for(d, "events", |_, _| false).await;
@@ -220,7 +200,7 @@ async fn trial(
         tokio::time::sleep(partition - at).await;
         settle(tap, Duration::from_millis(200)).await;
         ensure!(
-            events(tap, &j.id, "started").is_empty(),
+            tap.events(&j.id, "started").is_empty(),
             "trial {t}: a job started through a partition"
         );
         env.proxy.heal();
@@ -243,7 +223,7 @@ async fn trial(
         bh_start_unix = now_unix();
         tokio::time::sleep(partition).await;
         settle(tap, Duration::from_millis(200)).await;
-        finals_before_heal = finals(tap, &j.id).len();
+        finals_before_heal = tap.finals(&j.id).len();
         env.proxy.heal();
         healed = Instant::now();
         bh_end_unix = now_unix();
@@ -274,8 +254,8 @@ async fn trial(
     // Late duplicates would show up here.
     settle(tap, Duration::from_millis(1500)).await;
 
-    let started = events(tap, &j.id, "started").len();
-    let fin = finals(tap, &j.id);
+    let started = tap.events(&j.id, "started").len();
+    let fin = tap.finals(&j.id);
     ensure!(
         started == 1 && starts.len() == 1,
         "trial {t} ({moment:?}): job started {started} times (its log: {} executions)",
@@ -288,7 +268,7 @@ async fn trial(
         ends.len()
     );
     ensure!(
-        events(tap, &after.id, "started").len() == 1 && finals(tap, &after.id).len() == 1,
+        tap.events(&after.id, "started").len() == 1 && tap.finals(&after.id).len() == 1,
         "trial {t}: the job after the partition ran more than once"
     );
     let b = env.broker;
@@ -354,6 +334,7 @@ async fn a_silent_partition_neither_loses_nor_duplicates_jobs() -> anyhow::Resul
         broker_toml: "",
         dir: dir.path(),
         stderr: Some(&agent_log),
+        args: &[],
     }
     .spawn()?;
     let up = tap

@@ -64,6 +64,7 @@ async fn a_pool_queue_with_other_arguments_is_a_clear_error_retried_with_backoff
         broker_toml: "",
         dir: dir.path(),
         stderr: Some(&log),
+        args: &[],
     }
     .spawn()?;
     tokio::time::sleep(Duration::from_secs(6)).await;

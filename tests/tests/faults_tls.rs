@@ -231,6 +231,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         broker_toml: &broker_toml,
         dir: good_dir.path(),
         stderr: Some(&good_log),
+        args: &[],
     }
     .spawn()?;
     wait_agent_up(&mut tap, &good_id).await.with_context(|| {
@@ -265,6 +266,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         broker_toml: &broker_toml,
         dir: bad_dir.path(),
         stderr: Some(&bad_log),
+        args: &[],
     }
     .spawn()?;
     let text = wait_log(&bad_log, "reconnecting", Duration::from_secs(30))?;
@@ -414,6 +416,7 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
         broker_toml: &broker_toml,
         dir: dir.path(),
         stderr: Some(&log),
+        args: &[],
     }
     .spawn()?;
     wait_agent_up(&mut tap, &id).await.with_context(|| {
