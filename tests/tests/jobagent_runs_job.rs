@@ -366,7 +366,10 @@ async fn a_running_job_survives_a_lost_broker_connection_and_runs_once() -> anyh
         vq_tests::harness::close_broker_connections(&format!("jobagent {agent}"))
     })
     .await??;
-    assert_eq!(closed, 1, "the agent's connection must have been found");
+    assert_eq!(
+        closed, 2,
+        "both of the agent's connections (consuming and publishing) must have been found"
+    );
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["code"], 0, "{fin}");
     let out_path = s.alice.home.join(format!("survivor.o{}", j.seq()));
