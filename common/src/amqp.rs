@@ -569,6 +569,72 @@ pub async fn publish_confirmed(
     }
 }
 
+/// How often [`publish_confirmed_patiently`] re-checks `blocked` and the
+/// channel.
+const BLOCKED_POLL: Duration = Duration::from_millis(250);
+
+/// [`publish_confirmed`] on a connection the broker may block during a
+/// memory or disk alarm (`connection.blocked`,
+/// <https://www.rabbitmq.com/docs/connection-blocked>); `blocked()` says
+/// whether it is blocked now.
+///
+/// Waits while blocked before publishing, and counts only unblocked time
+/// towards `timeout` while waiting for the confirm: a message written into
+/// a blocked connection is still read by the broker after the alarm (even
+/// after the client has gone), so giving up and sending it again, or
+/// treating it as not sent, would duplicate it.
+///
+/// # Errors
+/// As [`publish_confirmed`]; [`AmqpError::Timeout`] also when the channel
+/// closes while waiting.
+#[allow(clippy::too_many_arguments)]
+pub async fn publish_confirmed_patiently(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+    mandatory: bool,
+    timeout: Duration,
+    blocked: &(dyn Fn() -> bool + Send + Sync),
+) -> Result<(), AmqpError> {
+    let gone = || AmqpError::Timeout {
+        what: format!("publish to {exchange:?} key {routing_key:?} (channel closed)"),
+        secs: 0,
+    };
+    while blocked() {
+        if !ch.status().connected() {
+            return Err(gone());
+        }
+        tokio::time::sleep(BLOCKED_POLL).await;
+    }
+    // The real bound is counted below; this one only avoids an Instant
+    // overflow.
+    let no_bound = Duration::from_secs(365 * 24 * 3600);
+    let publish = publish_confirmed(ch, exchange, routing_key, body, props, mandatory, no_bound);
+    tokio::pin!(publish);
+    let mut unblocked_wait = Duration::ZERO;
+    loop {
+        tokio::select! {
+            r = &mut publish => return r,
+            _ = tokio::time::sleep(BLOCKED_POLL) => {
+                if !ch.status().connected() {
+                    return Err(gone());
+                }
+                if !blocked() {
+                    unblocked_wait += BLOCKED_POLL;
+                }
+                if unblocked_wait >= timeout {
+                    return Err(AmqpError::Timeout {
+                        what: format!("publish to {exchange:?} key {routing_key:?}"),
+                        secs: timeout.as_secs(),
+                    });
+                }
+            }
+        }
+    }
+}
+
 /// Publishes message `msg` as JSON (see [`json_properties`]) with a confirm.
 ///
 /// # Errors

@@ -33,6 +33,10 @@ pub const POOL_DELIVERY_LIMIT: i64 = 10;
 /// broker's delivery count, which also counts plain disconnects.
 pub const LOSSES_HEADER: &str = "x-vq-losses";
 
+/// Header of an agent registry entry ([`Topology::agents_queue`]): the
+/// agent's pool, so that a controller fences only agents of its own pools.
+pub const POOL_HEADER: &str = "x-vq-pool";
+
 /// Default number of losses after which a job is dead-lettered instead of
 /// run again (a poison job that kills its agent or VM).
 pub const DEFAULT_LOSS_LIMIT: u32 = 3;

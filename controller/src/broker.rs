@@ -35,7 +35,7 @@ use vq_common::messages::{
     unix_now, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message,
     DEAD_BY_HEADER, REASON_HEADER, SCHEMA_VERSION, SUBMITTER_HEADER,
 };
-use vq_common::topology::{job_event_key, Topology, ALL_AGENT_EVENTS, LOSSES_HEADER};
+use vq_common::topology::{job_event_key, Topology, ALL_AGENT_EVENTS, LOSSES_HEADER, POOL_HEADER};
 
 use crate::observe::{AgentRecord, DemandMap};
 
@@ -403,18 +403,41 @@ impl Broker {
         self.read_ids(&self.topo.fence_queue()).await
     }
 
-    /// Agent ids in the agent registry ([`Topology::agents_queue`];
-    /// deduplicated, sorted).
+    /// Entries of the agent registry ([`Topology::agents_queue`]):
+    /// `(agent id, pool)`, deduplicated and sorted; entries without a pool
+    /// header get pool `""` (they match no configured pool).
     ///
     /// # Errors
     /// [`AmqpError`].
-    pub async fn registered_agents(&self) -> Result<Vec<String>, AmqpError> {
-        self.read_ids(&self.topo.agents_queue()).await
+    pub async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
+        let mut out: Vec<(String, String)> = self
+            .read_entries(&self.topo.agents_queue())
+            .await?
+            .into_iter()
+            .map(|(agent, pool)| (agent, pool.unwrap_or_default()))
+            .collect();
+        out.sort();
+        out.dedup();
+        Ok(out)
     }
 
     /// Reads every entry (an agent id) of `queue` and returns them all to
-    /// it.
+    /// it; deduplicated and sorted.
     async fn read_ids(&self, queue: &str) -> Result<Vec<String>, AmqpError> {
+        let mut out: Vec<String> = self
+            .read_entries(queue)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+
+    /// Reads every entry of `queue` (body: an agent id; header
+    /// [`POOL_HEADER`]: its pool, if set) and returns them all to it.
+    async fn read_entries(&self, queue: &str) -> Result<Vec<(String, Option<String>)>, AmqpError> {
         let ch = self.fresh_channel().await?;
         let r = bounded(&format!("read {queue}"), OP_TIMEOUT, async {
             let mut out = Vec::new();
@@ -423,7 +446,10 @@ impl Broker {
                 .await
                 .map_err(op_err("basic.get (agent ids)"))?
             {
-                out.push(String::from_utf8_lossy(&m.delivery.data).into_owned());
+                out.push((
+                    String::from_utf8_lossy(&m.delivery.data).into_owned(),
+                    header_str(&m.delivery.properties, POOL_HEADER),
+                ));
                 if out.len() > 10_000 {
                     break;
                 }
@@ -433,10 +459,7 @@ impl Broker {
         .await;
         // Closing the channel returns every entry read to the queue.
         let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "read".into())).await;
-        let mut out = r?;
-        out.sort();
-        out.dedup();
-        Ok(out)
+        r
     }
 
     /// Empties `agent`'s lease queue (see the module doc), deletes it and
@@ -522,13 +545,24 @@ impl Broker {
                     .map(|m| m.to_string())
                     .unwrap_or_default(),
             };
+            if let Some(reason) = self.blocked() {
+                // Nothing of this lease is written yet: stop here; the
+                // channel's close returns it and the rest to the queue.
+                return Err(AmqpError::Timeout {
+                    what: format!(
+                        "fence of {agent} paused: the broker blocks publishing ({reason})"
+                    ),
+                    secs: 0,
+                });
+            }
+            let blocked = || self.blocked().is_some();
             match lease_fate(decoded.as_ref().ok(), agent, losses, loss_limit) {
                 LeaseFate::Requeue { pool } => {
                     let mut props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
                     if let Some(u) = &submitter {
                         props = props.with_user_id(u.as_str().into());
                     }
-                    amqp::publish_confirmed(
+                    amqp::publish_confirmed_patiently(
                         ch,
                         &self.topo.jobs_exchange(),
                         &pool,
@@ -536,6 +570,7 @@ impl Broker {
                         props,
                         true,
                         confirm,
+                        &blocked,
                     )
                     .await?;
                     tracing::warn!(agent, job_id = %job_id, pool = %pool, losses, "fenced agent's job returned to its pool");
@@ -544,7 +579,7 @@ impl Broker {
                 LeaseFate::Fail { reason } => {
                     let pool = decoded.as_ref().map(|j| j.pool.clone()).unwrap_or_default();
                     let props = dead_props(&d.properties, &reason, losses);
-                    amqp::publish_confirmed(
+                    amqp::publish_confirmed_patiently(
                         ch,
                         &self.topo.dead_exchange(),
                         &pool,
@@ -552,6 +587,7 @@ impl Broker {
                         props,
                         false,
                         confirm,
+                        &blocked,
                     )
                     .await?;
                     if let Ok(job) = &decoded {
@@ -568,13 +604,15 @@ impl Broker {
                                 reason: reason.clone(),
                             },
                         };
-                        amqp::publish_message(
+                        amqp::publish_confirmed_patiently(
                             ch,
                             &self.topo.events_exchange(),
                             &job_event_key(&job.pool, "failed"),
-                            &event,
+                            &event.encode(),
+                            amqp::json_properties::<JobEvent>(),
                             false,
                             confirm,
+                            &blocked,
                         )
                         .await?;
                     }
@@ -705,9 +743,18 @@ impl Broker {
             for t in &s.tasks {
                 t.abort();
             }
-            match s.conn.close(200, "controller shutting down".into()).await {
-                Ok(()) => tracing::info!("broker connection closed"),
-                Err(e) => tracing::warn!(error = %e, "closing the broker connection failed"),
+            // A blocked connection (broker alarm) does not read our close.
+            match tokio::time::timeout(
+                OP_TIMEOUT,
+                s.conn.close(200, "controller shutting down".into()),
+            )
+            .await
+            {
+                Ok(Ok(())) => tracing::info!("broker connection closed"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "closing the broker connection failed"),
+                Err(_) => tracing::warn!(
+                    "the broker did not answer our close in time; dropping the connection"
+                ),
             }
         }
     }

@@ -54,9 +54,11 @@ pub trait BrokerApi: Messenger {
     fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
         async { Ok(Vec::new()) }
     }
-    /// Agents in the registry (see
+    /// `(agent, pool)` entries of the registry (see
     /// [`crate::broker::Broker::registered_agents`]). The default: none.
-    fn registered_agents(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
+    fn registered_agents(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, AmqpError>> + Send {
         async { Ok(Vec::new()) }
     }
     /// Empties and deletes `agent`'s lease queue (see
@@ -90,7 +92,7 @@ impl BrokerApi for Broker {
     async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
         Broker::pending_fences(self).await
     }
-    async fn registered_agents(&self) -> Result<Vec<String>, AmqpError> {
+    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
         Broker::registered_agents(self).await
     }
     async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
@@ -126,6 +128,10 @@ pub struct Controller<C, B> {
     backoff: BTreeMap<String, PoolBackoff>,
     last_scale_down: BTreeMap<String, Instant>,
     last_boot_failure: BTreeMap<String, Instant>,
+    /// When this controller first saw each agent registry entry: an agent
+    /// is judged by the registry only after a whole heartbeat timeout in it
+    /// (a new agent registers before its first heartbeat).
+    registry_first_seen: BTreeMap<String, Instant>,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -162,6 +168,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             backoff,
             last_scale_down: BTreeMap::new(),
             last_boot_failure: BTreeMap::new(),
+            registry_first_seen: BTreeMap::new(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
@@ -263,6 +270,15 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             return summary;
         }
         self.metrics.broker_blocked.set(0);
+        // Read before the server list: an agent registers from its server,
+        // so every registered agent whose server exists is in that list.
+        let registered = match self.broker.registered_agents().await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle");
+                None
+            }
+        };
         let servers = match self
             .cloud
             .list_servers(&cluster_tag(&self.cfg.cluster))
@@ -410,7 +426,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         }
         if !shutdown.is_cancelled() {
             summary.fenced = self
-                .fence_step(&servers, &events, clock.listening_secs, now)
+                .fence_step(
+                    &servers,
+                    registered.as_deref(),
+                    &events,
+                    clock.listening_secs,
+                    now,
+                )
                 .await;
         }
         summary
@@ -425,6 +447,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     async fn fence_step(
         &mut self,
         servers: &[crate::openstack::Server],
+        registered: Option<&[(String, String)]>,
         events: &EventSnapshot,
         listening_secs: f64,
         now: Instant,
@@ -433,6 +456,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             servers.iter().map(|s| s.name.as_str()).collect();
         let timeout = self.cfg.heartbeat_timeout_secs;
         tracing::debug!(agents = events.agents.len(), listening_secs, "fence step");
+        if let Some(reg) = registered {
+            self.registry_first_seen
+                .retain(|a, _| reg.iter().any(|(r, _)| r == a));
+            for (agent, _) in reg {
+                self.registry_first_seen.entry(agent.clone()).or_insert(now);
+            }
+        }
         if listening_secs >= timeout {
             for (agent, rec) in &events.agents {
                 let Some((hb, at)) = &rec.heartbeat else {
@@ -454,23 +484,25 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             // timeout of listening, and without a server: their server
             // vanished while no controller listened (or was deleted by
             // someone else). Their leases would otherwise stay forever.
-            match self.broker.registered_agents().await {
-                Ok(registered) => {
-                    for agent in registered {
-                        if in_nova.contains(agent.as_str()) || events.agents.contains_key(&agent) {
-                            // Heard agents are judged above, by their own
-                            // heartbeat age and pool.
-                            continue;
-                        }
-                        tracing::warn!(agent = %agent, listening_secs, timeout_secs = timeout,
-                            "registered agent without a server, not heard since the controller listens: fencing it");
-                        if let Err(e) = self.broker.mark_fence(&agent).await {
-                            tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
-                        }
-                    }
+            for (agent, pool) in registered.unwrap_or_default() {
+                let in_registry = self
+                    .registry_first_seen
+                    .get(agent)
+                    .map_or(0.0, |t| now.saturating_duration_since(*t).as_secs_f64());
+                if !self.cfg.pools.contains_key(pool)
+                    || in_nova.contains(agent.as_str())
+                    || events.agents.contains_key(agent)
+                    || in_registry <= timeout
+                {
+                    // Other controllers' pools are theirs to judge; heard
+                    // agents are judged above, by their heartbeat age; a
+                    // new agent registers before its first heartbeat.
+                    continue;
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle")
+                tracing::warn!(pool = %pool, agent = %agent, listening_secs, timeout_secs = timeout,
+                    "registered agent without a server, not heard since the controller listens: fencing it");
+                if let Err(e) = self.broker.mark_fence(agent).await {
+                    tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
                 }
             }
         }

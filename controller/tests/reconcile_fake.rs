@@ -84,11 +84,18 @@ struct FakeBroker {
     depth: Mutex<BTreeMap<String, u64>>,
     sent: Mutex<Vec<(String, Control)>>,
     blocked: Mutex<Option<String>>,
+    registry: Mutex<Vec<(String, String)>>,
+    fences: Mutex<Vec<String>>,
+    listening_secs: Mutex<f64>,
 }
 
 impl Messenger for FakeBroker {
     async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
         self.sent.lock().unwrap().push((agent.into(), msg.clone()));
+        Ok(())
+    }
+    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        self.fences.lock().unwrap().push(agent.into());
         Ok(())
     }
 }
@@ -101,10 +108,16 @@ impl BrokerApi for FakeBroker {
         Ok(*self.depth.lock().unwrap().get(pool).unwrap_or(&0))
     }
     fn snapshot(&self, _now: Instant) -> EventSnapshot {
-        EventSnapshot::default()
+        EventSnapshot {
+            listening_secs: *self.listening_secs.lock().unwrap(),
+            ..EventSnapshot::default()
+        }
     }
     fn blocked(&self) -> Option<String> {
         self.blocked.lock().unwrap().clone()
+    }
+    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
+        Ok(self.registry.lock().unwrap().clone())
     }
 }
 
@@ -217,4 +230,40 @@ async fn a_broker_alarm_holds_every_pool_without_backoff() {
     let s = ctl.cycle(&stop).await;
     assert_eq!(s.ok, vec!["cms".to_string()], "{s:?}");
     assert_eq!(s.created, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_registry_fences_only_unheard_agents_of_its_own_pools_without_a_server() {
+    let b = broker_with_depth(0);
+    *b.listening_secs.lock().unwrap() = 1e6;
+    *b.registry.lock().unwrap() = vec![
+        ("lost-mine".into(), "cms".into()),
+        ("other-pool".into(), "other".into()),
+        ("no-pool".into(), String::new()),
+        ("has-server".into(), "cms".into()),
+    ];
+    let cloud = FakeCloud::default();
+    cloud.servers.lock().unwrap().push(Server {
+        id: "srv-has-server".into(),
+        name: "has-server".into(),
+        status: "ACTIVE".into(),
+        task_state: None,
+        created: Some(vq_common::messages::unix_now()),
+        metadata: BTreeMap::new(),
+        tags: vec![vq_controller::openstack::cluster_tag(
+            &ControllerConfig::default().cluster,
+        )],
+        fault: None,
+    });
+    let mut ctl = Controller::new(config(0), cloud, b).unwrap();
+    let stop = CancellationToken::new();
+    // Not in the first heartbeat timeout after the controller starts.
+    ctl.cycle(&stop).await;
+    assert!(ctl.broker().fences.lock().unwrap().is_empty());
+    tokio::time::advance(std::time::Duration::from_secs(3600)).await;
+    ctl.cycle(&stop).await;
+    assert_eq!(
+        *ctl.broker().fences.lock().unwrap(),
+        vec!["lost-mine".to_string()]
+    );
 }

@@ -288,7 +288,18 @@ async fn claim_and_run(
         .publish_once_mandatory("", ctx.leases.queue(), &delivery.data, props, true)
         .await
     {
-        warn!(error = %chain(&e), "cannot copy the job into the lease queue; returning it to the pool");
+        if matches!(e, AmqpError::Unroutable { .. }) {
+            // Our lease queue was deleted (a controller fenced this agent):
+            // pulling on would bounce every job back into the pool.
+            warn!(queue = %ctx.leases.queue(), "the lease queue is gone (fenced?): returning the job, reconnecting to declare it and register again");
+            ctx.registered
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            ctx.lease_queue_gone
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            ctx.shared.pull_changed.notify_one();
+        } else {
+            warn!(error = %chain(&e), "cannot copy the job into the lease queue; returning it to the pool");
+        }
         requeue_acker(&delivery.acker).await;
         ctx.shared.release(key);
         return;

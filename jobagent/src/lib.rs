@@ -73,6 +73,10 @@ pub(crate) struct Ctx {
     /// Whether this process has put its id into the agent registry
     /// (`Topology::agents_queue`), which it does before its first claim.
     pub(crate) registered: std::sync::atomic::AtomicBool,
+    /// Set when a claim finds the lease queue gone (deleted by a fence):
+    /// the session ends, and the next one declares the queue again and
+    /// registers again.
+    pub(crate) lease_queue_gone: std::sync::atomic::AtomicBool,
 }
 
 /// How long, after the drain grace, the agent waits for interrupted jobs to
@@ -101,6 +105,7 @@ pub async fn run(
     let (channel_tx, channel_rx) = watch::channel(None);
     let (lease_tx, lease_rx) = watch::channel(None);
     let (blocked_tx, blocked_rx) = watch::channel(false);
+    let blocked_tx = Arc::new(blocked_tx);
     let outbox = report::Outbox::open(&cfg.state_dir).map_err(|source| AgentError::StateDir {
         path: cfg.state_dir.join("outbox"),
         source,
@@ -123,6 +128,7 @@ pub async fn run(
         ),
         sys: sys::HostSys,
         registered: std::sync::atomic::AtomicBool::new(false),
+        lease_queue_gone: std::sync::atomic::AtomicBool::new(false),
         cfg,
     });
     info!(pool = %ctx.cfg.pool, agent = %ctx.agent, cluster = %ctx.cfg.cluster, slots = ctx.cfg.slots,

@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::warn;
-use vq_common::amqp::{json_properties, publish_confirmed, AmqpError};
+use vq_common::amqp::{json_properties, publish_confirmed_patiently, AmqpError};
 use vq_common::messages::{
     unix_now, Job, JobEvent, JobState, Message, DEAD_BY_HEADER, REASON_HEADER,
 };
@@ -37,13 +37,6 @@ pub struct Publisher {
     timeout: Duration,
 }
 
-/// How often a waiting publish re-checks the blocked flag and its channel.
-const BLOCKED_POLL: Duration = Duration::from_millis(250);
-
-/// Bound handed to [`publish_confirmed`]; the real bound is counted by
-/// [`Publisher::confirmed`], which skips blocked time.
-const NO_BOUND: Duration = Duration::from_secs(365 * 24 * 3600);
-
 impl Publisher {
     /// A publisher following `channel` (set by the session loop, `None`
     /// while disconnected) and `blocked` (true while the broker blocks the
@@ -68,7 +61,8 @@ impl Publisher {
     }
 
     /// Publishes on `ch` once the connection is not blocked and waits for
-    /// the confirm; `timeout` runs only while the connection is unblocked.
+    /// the confirm; `timeout` runs only while the connection is unblocked
+    /// ([`publish_confirmed_patiently`]).
     async fn confirmed(
         &self,
         ch: &Channel,
@@ -78,42 +72,18 @@ impl Publisher {
         props: BasicProperties,
         mandatory: bool,
     ) -> Result<(), AmqpError> {
-        let gone = || AmqpError::Timeout {
-            what: format!("publish to {exchange:?} key {key:?} (channel closed)"),
-            secs: 0,
-        };
-        let mut blocked = self.blocked.clone();
-        loop {
-            if !*blocked.borrow_and_update() {
-                break;
-            }
-            if !ch.status().connected() {
-                return Err(gone());
-            }
-            let _ = tokio::time::timeout(BLOCKED_POLL, blocked.changed()).await;
-        }
-        let publish = publish_confirmed(ch, exchange, key, body, props, mandatory, NO_BOUND);
-        tokio::pin!(publish);
-        let mut unblocked_wait = Duration::ZERO;
-        loop {
-            tokio::select! {
-                r = &mut publish => return r,
-                _ = tokio::time::sleep(BLOCKED_POLL) => {
-                    if !ch.status().connected() {
-                        return Err(gone());
-                    }
-                    if !*self.blocked.borrow() {
-                        unblocked_wait += BLOCKED_POLL;
-                    }
-                    if unblocked_wait >= self.timeout {
-                        return Err(AmqpError::Timeout {
-                            what: format!("publish to {exchange:?} key {key:?}"),
-                            secs: self.timeout.as_secs(),
-                        });
-                    }
-                }
-            }
-        }
+        let blocked = self.blocked.clone();
+        publish_confirmed_patiently(
+            ch,
+            exchange,
+            key,
+            body,
+            props,
+            mandatory,
+            self.timeout,
+            &move || *blocked.borrow(),
+        )
+        .await
     }
 
     /// Publishes once; fails at once when not connected, waits while the

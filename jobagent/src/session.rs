@@ -72,8 +72,10 @@ pub(crate) struct Links {
     /// The lease channel on the consuming connection (`None` while
     /// disconnected).
     pub(crate) lease_tx: watch::Sender<Option<Channel>>,
-    /// True while the broker blocks the publishing connection.
-    pub(crate) blocked_tx: watch::Sender<bool>,
+    /// True while the broker blocks the publishing connection (set by a
+    /// task that follows the connection's events from its first moment,
+    /// so publishes before the session loop see it too).
+    pub(crate) blocked_tx: Arc<watch::Sender<bool>>,
 }
 
 impl Links {
@@ -157,7 +159,14 @@ async fn run_session(
 ) -> Result<(), AgentError> {
     let topo = &ctx.topo;
     let pool = &ctx.cfg.pool;
-    let mut pub_events = Box::pin(pub_conn.events_listener());
+    // Before any publish of this session (declares, registration, lease
+    // scan): a broker in alarm blocks us at the first one.
+    let follower = AbortOnDrop(tokio::spawn(follow_blocked(
+        pub_conn.events_listener(),
+        links.blocked_tx.clone(),
+        pool.clone(),
+    )));
+    let mut blocked_rx = links.blocked_tx.subscribe();
     let pub_ch = confirm_channel(pub_conn).await?;
     declare_exchanges(&pub_ch, topo).await?;
     declare_pool_queue(&pub_ch, topo, pool).await?;
@@ -237,8 +246,17 @@ async fn run_session(
     let mut consumer: Option<Consumer> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut blocked = false;
+    let mut blocked = *blocked_rx.borrow_and_update();
     loop {
+        if ctx
+            .lease_queue_gone
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            drop(follower);
+            return Err(AgentError::Lost {
+                what: "lease queue (deleted, e.g. by a fence): declaring it again",
+            });
+        }
         if consumer.is_none() && ctx.shared.wants_pull() && !blocked {
             let free = ctx.shared.free_slots();
             if free > 0 {
@@ -283,21 +301,15 @@ async fn run_session(
                 Some(Err(e)) => return Err(op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
             },
-            e = pub_events.next() => match e {
-                Some(lapin::Event::ConnectionBlocked(reason)) => {
-                    warn!(pool = %pool, reason = %reason, "the broker blocks publishing (resource alarm): results, answers and claims wait, heartbeats are skipped, not pulling jobs");
-                    blocked = true;
-                    links.blocked_tx.send_replace(true);
+            changed = blocked_rx.changed() => {
+                if changed.is_err() {
+                    return Err(AgentError::Lost { what: "publishing connection events" });
                 }
-                Some(lapin::Event::ConnectionUnblocked) => {
-                    info!(pool = %pool, "the broker accepts publishing again");
-                    blocked = false;
-                    links.blocked_tx.send_replace(false);
+                blocked = *blocked_rx.borrow_and_update();
+                if !blocked {
                     ctx.shared.heartbeat_now.notify_one();
                 }
-                Some(_) => {}
-                None => return Err(AgentError::Lost { what: "publishing connection events" }),
-            },
+            }
             // Stopping and restarting the consumer happens at the top of
             // the loop.
             _ = ctx.shared.pull_changed.notified() => {}
@@ -335,13 +347,55 @@ async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
             ctx.agent.as_bytes(),
             lapin::BasicProperties::default()
                 .with_delivery_mode(2)
-                .with_content_type("text/plain".into()),
+                .with_content_type("text/plain".into())
+                .with_headers(pool_header(&ctx.cfg.pool)),
             true,
         )
         .await?;
     ctx.registered.store(true, Ordering::SeqCst);
     debug!(queue = %queue, "registered in the agent registry");
     Ok(())
+}
+
+fn pool_header(pool: &str) -> FieldTable {
+    let mut t = FieldTable::default();
+    t.insert(
+        vq_common::topology::POOL_HEADER.into(),
+        lapin::types::AMQPValue::LongString(pool.into()),
+    );
+    t
+}
+
+/// Aborts the task when dropped (the session's helper tasks end with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Follows `connection.blocked` / `unblocked` of the publishing connection
+/// into `blocked` until the connection's event stream ends.
+async fn follow_blocked(
+    events: impl futures_util::Stream<Item = lapin::Event>,
+    blocked: Arc<watch::Sender<bool>>,
+    pool: String,
+) {
+    futures_util::pin_mut!(events);
+    while let Some(e) = events.next().await {
+        match e {
+            lapin::Event::ConnectionBlocked(reason) => {
+                warn!(pool = %pool, reason = %reason, "the broker blocks publishing (resource alarm): results, answers and claims wait, heartbeats are skipped, not pulling jobs");
+                blocked.send_replace(true);
+            }
+            lapin::Event::ConnectionUnblocked => {
+                info!(pool = %pool, "the broker accepts publishing again");
+                blocked.send_replace(false);
+            }
+            _ => {}
+        }
+    }
 }
 
 async fn next_delivery(consumer: &mut Option<Consumer>) -> Option<lapin::Result<Delivery>> {

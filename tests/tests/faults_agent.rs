@@ -390,6 +390,79 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn an_agent_whose_lease_queue_was_deleted_declares_it_again_and_loses_nothing(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "relived";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let a1 = format!("{cluster}-r1");
+    let _agent = start_agent_url(&broker_url(), &cluster, pool, &a1, TRUST_GUEST)?;
+    wait_agent_up(&mut tap, &a1).await?;
+    // What a wrong fence does to a live agent: its lease queue and registry
+    // entry are gone.
+    broker
+        .ch
+        .queue_delete(
+            broker.topo.lease_queue(&a1).as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await?;
+    let _ = broker
+        .ch
+        .queue_purge(
+            broker.topo.agents_queue().as_str().into(),
+            lapin::options::QueuePurgeOptions::default(),
+        )
+        .await?;
+    let jobs: Vec<_> = (0..3)
+        .map(|i| job(pool, &alice.name, &format!("relived{i}"), "echo ok\n"))
+        .collect();
+    for j in &jobs {
+        broker.publish_job(j, Some("guest")).await?;
+    }
+    for j in &jobs {
+        let fin = tap.job_event(&j.id, "finished", WAIT).await?;
+        ensure!(fin["outcome"]["code"] == 0, "{fin}");
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = tap
+        .wait_for(Duration::from_millis(500), "late events", |_, _| false)
+        .await;
+    for j in &jobs {
+        ensure!(
+            count(&tap, &j.id, "started") == 1 && count(&tap, &j.id, "finished") == 1,
+            "job {} started {} finished {}",
+            j.name,
+            count(&tap, &j.id, "started"),
+            count(&tap, &j.id, "finished")
+        );
+        for ext in ["o", "e"] {
+            let _ = std::fs::remove_file(alice.home.join(format!("{}.{ext}{}", j.name, j.seq())));
+        }
+    }
+    ensure!(
+        broker.take_dead().await?.is_empty(),
+        "jobs were dead-lettered"
+    );
+    ensure!(
+        registered(&broker).await?.contains(&a1),
+        "the agent did not register again"
+    );
+    ensure!(
+        broker.queue_len(&broker.topo.lease_queue(&a1)).await? == 0,
+        "the lease queue was not declared again (or a lease was left)"
+    );
+    broker.cleanup().await;
+    Ok(())
+}
+
 /// Ask-delete trials.
 const ASK_TRIALS: usize = 12;
 
