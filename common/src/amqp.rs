@@ -11,9 +11,11 @@ use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
-use lapin::tcp::OwnedTLSConfig;
+use lapin::tcp::{AMQPUriTcpExt, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::config::{redact_url, BrokerConfig};
 use crate::messages::{Message, SCHEMA_HEADER, SCHEMA_VERSION};
@@ -35,14 +37,14 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
-    /// The CA file could not be read.
-    #[error("cannot read broker CA file {path}")]
+    /// The CA file (`ca_file`) cannot be read or used.
+    #[error("cannot use broker CA file {path}: {problem}")]
     CaFile {
         /// Path.
         path: String,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
+        /// What is wrong, e.g. the read error or "holds no PEM
+        /// certificate".
+        problem: String,
     },
     /// The client certificate or its private key (`cert_file`,
     /// `key_file`) cannot be read or used.
@@ -165,10 +167,14 @@ pub fn tuned_url(url: &str, heartbeat_secs: u16) -> String {
 }
 
 /// Opens a connection named `name` (shown in the management UI), bounded by
-/// `connect_timeout_secs`. Uses `ca_file` for amqps when set, and presents
-/// the client certificate `cert_file` with `key_file` when both are set.
-/// The certificate and key are parsed and checked to belong together here,
-/// before any network I/O, so a bad file fails at once and by name.
+/// `connect_timeout_secs`, and presents the client certificate `cert_file`
+/// with `key_file` when both are set. The TLS files are read and checked
+/// here ([`crate::tls`]), before any network I/O, so a bad file fails at
+/// once and by name.
+///
+/// Trust: with `ca_file` (amqps), its certificates are the only roots (a
+/// broker certificate from a publicly trusted CA is refused unless that CA
+/// is in `ca_file`); without it, lapin's default, the system roots.
 ///
 /// # Errors
 /// [`AmqpError::Connect`], [`AmqpError::Timeout`], [`AmqpError::CaFile`] or
@@ -176,17 +182,8 @@ pub fn tuned_url(url: &str, heartbeat_secs: u16) -> String {
 pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpError> {
     let url = tuned_url(&cfg.url, cfg.heartbeat_secs);
     let redacted = redact_url(&cfg.url);
-    let cert_chain = match &cfg.ca_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path).map_err(|source| AmqpError::CaFile {
-                path: path.display().to_string(),
-                source,
-            })?,
-        ),
-        None => None,
-    };
     let identity = match (&cfg.cert_file, &cfg.key_file) {
-        (Some(cert), Some(key)) => Some(client_identity(cert, key)?),
+        (Some(cert), Some(key)) => Some((cert, key, client_identity(cert, key)?)),
         (None, None) => None,
         (Some(path), None) | (None, Some(path)) => {
             return Err(AmqpError::ClientCert {
@@ -200,65 +197,101 @@ pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpE
             })
         }
     };
-    let tls = OwnedTLSConfig {
-        identity,
-        cert_chain,
+    let exclusive = match &cfg.ca_file {
+        Some(ca) if url.starts_with("amqps://") => {
+            let roots = crate::tls::load_ca(ca).map_err(tls_file_error)?;
+            let identity = identity
+                .as_ref()
+                .map(|(cert, _, (chain, key))| (cert.as_path(), chain.clone(), key.clone_key()));
+            Some(crate::tls::client_config(ca, roots, identity).map_err(tls_file_error)?)
+        }
+        _ => None,
     };
     let props = ConnectionProperties::default().with_connection_name(name.into());
     let timeout = Duration::from_secs(cfg.connect_timeout_secs);
+    let connect_err = |source| AmqpError::Connect {
+        url: redacted.clone(),
+        source,
+    };
     bounded("connect", timeout, async {
-        let runtime = lapin::runtime::default_runtime().map_err(|source| AmqpError::Connect {
-            url: redacted.clone(),
-            source,
-        })?;
-        Connection::connect_with_config(&url, props, tls, runtime)
-            .await
-            .map_err(|source| AmqpError::Connect {
-                url: redacted.clone(),
-                source,
-            })
+        let runtime = lapin::runtime::default_runtime().map_err(connect_err)?;
+        match exclusive {
+            Some(config) => {
+                let uri: AMQPUri = url
+                    .parse()
+                    .map_err(|e: String| connect_err(std::io::Error::other(e).into()))?;
+                let connector = lapin::tcp::RustlsConnector::from(config);
+                Connection::connector(
+                    uri,
+                    runtime,
+                    async move |uri: AMQPUri, runtime| {
+                        // TCP as lapin does it (the URI with the amqp
+                        // scheme), then TLS with our own connector.
+                        let mut plain = uri.clone();
+                        plain.scheme = AMQPScheme::AMQP;
+                        let tcp = plain.connect_async(&runtime).await?;
+                        Ok(tcp.into_rustls(&connector, &uri.authority.host).await?)
+                    },
+                    props,
+                )
+                .await
+                .map_err(connect_err)
+            }
+            None => {
+                let identity = match identity {
+                    // lapin parses the PEM files itself (checked above).
+                    Some((cert, key, _)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
+                        pem: read_tls_file("certificate", cert)?,
+                        key: read_tls_file("key", key)?,
+                    }),
+                    None => None,
+                };
+                let tls = OwnedTLSConfig {
+                    identity,
+                    cert_chain: None,
+                };
+                Connection::connect_with_config(&url, props, tls, runtime)
+                    .await
+                    .map_err(connect_err)
+            }
+        }
     })
     .await
 }
 
-/// Reads the client certificate chain and key of [`connect`] and checks
-/// them with the rustls that lapin uses: at least one certificate, a key
-/// rustls can load, and the key matching the first certificate.
+fn read_tls_file(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>, AmqpError> {
+    std::fs::read(path).map_err(|e| AmqpError::ClientCert {
+        what,
+        path: path.display().to_string(),
+        problem: format!("cannot be read: {e}"),
+    })
+}
+
+fn tls_file_error(e: crate::tls::TlsFileError) -> AmqpError {
+    match e.key {
+        "ca_file" => AmqpError::CaFile {
+            path: e.path.display().to_string(),
+            problem: e.problem,
+        },
+        key => AmqpError::ClientCert {
+            what: if key == "key_file" {
+                "key"
+            } else {
+                "certificate"
+            },
+            path: e.path.display().to_string(),
+            problem: e.problem,
+        },
+    }
+}
+
+/// Reads and checks the client certificate chain and key of [`connect`]
+/// ([`crate::tls::load_identity`]).
 fn client_identity(
     cert: &std::path::Path,
     key: &std::path::Path,
-) -> Result<lapin::tcp::OwnedIdentity, AmqpError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let cert_err = |problem: String| AmqpError::ClientCert {
-        what: "certificate",
-        path: cert.display().to_string(),
-        problem,
-    };
-    let key_err = |problem: String| AmqpError::ClientCert {
-        what: "key",
-        path: key.display().to_string(),
-        problem,
-    };
-    let pem = std::fs::read(cert).map_err(|e| cert_err(e.to_string()))?;
-    let key_pem = std::fs::read(key).map_err(|e| key_err(e.to_string()))?;
-    let chain = CertificateDer::pem_slice_iter(&pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| cert_err(format!("not a PEM certificate chain: {e}")))?;
-    if chain.is_empty() {
-        return Err(cert_err("holds no PEM certificate".into()));
-    }
-    let der = PrivateKeyDer::from_pem_slice(&key_pem)
-        .map_err(|e| key_err(format!("not an unencrypted PEM private key: {e}")))?;
-    let provider = rustls::crypto::ring::default_provider();
-    rustls::sign::CertifiedKey::from_der(chain, der, &provider).map_err(|e| match e {
-        rustls::Error::InconsistentKeys(_) => key_err(format!(
-            "does not match the certificate in {}",
-            cert.display()
-        )),
-        e => key_err(format!("unusable: {e}")),
-    })?;
-    Ok(lapin::tcp::OwnedIdentity::PKCS8 { pem, key: key_pem })
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), AmqpError> {
+    crate::tls::load_identity(cert, key).map_err(tls_file_error)
 }
 
 /// Opens a channel with publisher confirms enabled.

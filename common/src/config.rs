@@ -27,7 +27,15 @@ pub struct BrokerConfig {
     /// absent (131072 bytes) because lapin allocates 8 MiB buffers otherwise.
     pub url: String,
     /// PEM file with the CA certificate(s) that sign the broker's
-    /// certificate (amqps only); `None` uses the system roots.
+    /// certificate (amqps only; with an `amqp://` url it is a configuration
+    /// error). It must hold at least one certificate. When set, these
+    /// certificates are the ONLY trust anchors of the connection: the system
+    /// roots are not consulted, so a broker certificate from a publicly
+    /// trusted CA is refused unless that CA is in the file (vq builds its own
+    /// rustls configuration for this; lapin's default would ADD the file to
+    /// the system roots). `None` uses the system roots (`SSL_CERT_FILE` /
+    /// `SSL_CERT_DIR` or the OS store), for a broker with a publicly trusted
+    /// certificate.
     pub ca_file: Option<PathBuf>,
     /// PEM file with this component's client certificate, end-entity first,
     /// then any intermediates (amqps only; set together with `key_file`).
@@ -79,24 +87,56 @@ impl BrokerConfig {
         if self.confirm_timeout_secs == 0 {
             out.push(format!("{prefix}.confirm_timeout_secs: must be at least 1"));
         }
+        let mut ca_ok = false;
         if let Some(ca) = &self.ca_file {
-            if !ca.is_file() {
+            if ca.as_os_str().is_empty() {
+                out.push(format!(
+                    "{prefix}.ca_file: is empty (remove the key to use the system roots)"
+                ));
+            } else if !ca.is_file() {
                 out.push(format!(
                     "{prefix}.ca_file: {} does not exist or is not a file",
                     ca.display()
                 ));
+            } else {
+                match std::fs::read(ca) {
+                    Err(e) => out.push(format!(
+                        "{prefix}.ca_file: cannot read {}: {e}",
+                        ca.display()
+                    )),
+                    Ok(text) if !contains(&text, b"-----BEGIN CERTIFICATE-----") => {
+                        out.push(format!(
+                            "{prefix}.ca_file: {} holds no PEM certificate \
+                             (-----BEGIN CERTIFICATE-----)",
+                            ca.display()
+                        ))
+                    }
+                    Ok(_) => ca_ok = true,
+                }
+            }
+            if !self.url.starts_with("amqps://") {
+                out.push(format!(
+                    "{prefix}.ca_file: only used with an amqps:// url, not {:?} \
+                     (use amqps:// or remove ca_file)",
+                    redact_url(&self.url)
+                ));
             }
         }
-        self.client_cert_problems(prefix, out);
+        let pair_ok = self.client_cert_problems(prefix, out);
+        #[cfg(feature = "amqp")]
+        crate::tls::material_problems(self, prefix, ca_ok, pair_ok, out);
+        #[cfg(not(feature = "amqp"))]
+        let _ = (ca_ok, pair_ok);
     }
 
     /// Problems of `cert_file`/`key_file`: both or neither, amqps only, and
-    /// both readable PEM files, the key unencrypted and mode 0600. The
-    /// certificate and key are parsed and matched by
-    /// [`crate::amqp::connect`] (feature `amqp`).
-    fn client_cert_problems(&self, prefix: &str, out: &mut Vec<String>) {
+    /// both readable PEM files, the key unencrypted and mode 0600. Returns
+    /// whether both files passed these checks, so that (feature `amqp`)
+    /// [`crate::tls::material_problems`] parses them and checks that they
+    /// belong together, as [`crate::amqp::connect`] does.
+    fn client_cert_problems(&self, prefix: &str, out: &mut Vec<String>) -> bool {
         match (&self.cert_file, &self.key_file) {
-            (None, None) => return,
+            (None, None) => return false,
             (Some(_), None) => out.push(format!(
                 "{prefix}.key_file: missing (cert_file is set; set both or neither)"
             )),
@@ -111,6 +151,18 @@ impl BrokerConfig {
                 redact_url(&self.url)
             ));
         }
+        let mut empty = false;
+        for (key, path) in [("cert_file", &self.cert_file), ("key_file", &self.key_file)] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                out.push(format!("{prefix}.{key}: is empty"));
+                empty = true;
+            }
+        }
+        if empty {
+            return false;
+        }
+        let both = self.cert_file.is_some() && self.key_file.is_some();
+        let before = out.len();
         if let Some(cert) = &self.cert_file {
             match std::fs::read(cert) {
                 Err(e) => out.push(format!(
@@ -157,6 +209,7 @@ impl BrokerConfig {
                 }
             }
         }
+        both && out.len() == before
     }
 }
 
@@ -711,7 +764,9 @@ impl ControllerConfig {
 /// The prefix names the component so that the `vq` CLI's own variables
 /// (`VQ_BROKER_URL`, `VQ_CLUSTER`, `VQ_CONTROLLER_URL`) and unrelated `VQ_*`
 /// variables never leak into a daemon's config. Values are parsed as TOML
-/// values when they parse (numbers, booleans, arrays), else taken as strings.
+/// values when they parse (numbers, booleans, arrays), else taken as
+/// strings; values of paths and URLs (keys ending in `_file`, `_dir`,
+/// `_template`, `_yaml` or `url`) are always strings.
 pub fn env_overrides(
     prefix: &str,
     vars: impl IntoIterator<Item = (String, String)>,
@@ -725,10 +780,24 @@ pub fn env_overrides(
         if path.iter().any(|s| s.is_empty()) {
             continue;
         }
-        let value = parse_env_value(&v);
+        let value = if path.last().is_some_and(|k| is_string_key(k)) {
+            toml::Value::String(v)
+        } else {
+            parse_env_value(&v)
+        };
         insert_path(&mut table, &path, value);
     }
     table
+}
+
+/// Whether an environment override of `key` is always a string, never
+/// parsed as a TOML value: file and directory paths and URLs
+/// (`VQ_CONTROLLER__BROKER__CERT_FILE=1234` is the file `1234`, not a
+/// number).
+fn is_string_key(key: &str) -> bool {
+    ["_file", "_dir", "_template", "_yaml", "url"]
+        .iter()
+        .any(|suffix| key.ends_with(suffix))
 }
 
 fn parse_env_value(v: &str) -> toml::Value {
@@ -958,8 +1027,10 @@ mod tests {
         }
     }
 
-    const CERT: &str = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
-    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+    // A real pair (v3 certificate and its key): with feature `amqp` the
+    // files are parsed and matched too.
+    const CERT: &str = include_str!("../testdata/tls/client-v3.pem");
+    const KEY: &str = include_str!("../testdata/tls/client.key");
 
     fn broker_problems(b: &BrokerConfig) -> String {
         let mut p = Vec::new();
@@ -1074,6 +1145,157 @@ mod tests {
             "broker.cert_file: cannot read /nonexistent/c.pem",
         ] {
             assert!(all.contains(needle), "{needle} not in:\n{all}");
+        }
+    }
+
+    #[test]
+    fn ca_file_must_hold_a_certificate_and_need_amqps() {
+        let ca = TempFile::new("ca.pem", CERT, 0o644);
+        let empty = TempFile::new("empty.pem", "", 0o644);
+        let key = TempFile::new("key.pem", KEY, 0o600);
+        let mut b = BrokerConfig {
+            url: "amqps://a:b@h:5671/%2f".into(),
+            ca_file: Some(ca.0.clone()),
+            ..Default::default()
+        };
+        assert_eq!(broker_problems(&b), "");
+        for file in [&empty, &key] {
+            b.ca_file = Some(file.0.clone());
+            let all = broker_problems(&b);
+            assert!(
+                all.contains(&format!(
+                    "broker.ca_file: {} holds no PEM certificate",
+                    file.0.display()
+                )),
+                "{all}"
+            );
+        }
+        b.ca_file = Some(ca.0.clone());
+        b.url = "amqp://a:b@h:5672/%2f".into();
+        let all = broker_problems(&b);
+        assert!(
+            all.contains("broker.ca_file: only used with an amqps:// url"),
+            "{all}"
+        );
+        assert!(!all.contains(":b@"), "password in {all}");
+    }
+
+    #[test]
+    fn path_overrides_stay_strings_and_empty_paths_are_named() {
+        let over = env_overrides(
+            ControllerConfig::ENV_PREFIX,
+            [
+                (
+                    "VQ_CONTROLLER__BROKER__URL".to_string(),
+                    "amqps://x:y@h:5671/v".to_string(),
+                ),
+                (
+                    "VQ_CONTROLLER__BROKER__CERT_FILE".to_string(),
+                    "1234".to_string(),
+                ),
+                (
+                    "VQ_CONTROLLER__BROKER__KEY_FILE".to_string(),
+                    "true".to_string(),
+                ),
+                ("VQ_CONTROLLER__BROKER__CA_FILE".to_string(), String::new()),
+                ("VQ_CONTROLLER__INTERVAL_SECS".to_string(), "5".to_string()),
+            ],
+        );
+        let err = parse::<ControllerConfig>("t", "", over).unwrap_err();
+        let ConfigError::Invalid { problems, .. } = err else {
+            panic!()
+        };
+        let all = problems.join("\n");
+        for needle in [
+            "broker.cert_file: cannot read 1234",
+            "broker.key_file: cannot read true",
+            "broker.ca_file: is empty",
+            // The listing goes on past the broker.
+            "pools: no pool configured",
+        ] {
+            assert!(all.contains(needle), "{needle} not in:\n{all}");
+        }
+        assert!(!all.contains("invalid type"), "{all}");
+        let over = env_overrides(
+            AgentConfig::ENV_PREFIX,
+            [
+                ("VQ_AGENT__BROKER__CERT_FILE".to_string(), String::new()),
+                ("VQ_AGENT__BROKER__KEY_FILE".to_string(), String::new()),
+                ("VQ_AGENT__SLOTS".to_string(), "4".to_string()),
+            ],
+        );
+        let mut p = Vec::new();
+        let cfg: AgentConfig = {
+            let mut t = toml::Table::new();
+            merge(&mut t, over);
+            toml::Value::Table(t).try_into().unwrap()
+        };
+        assert_eq!(cfg.slots, 4);
+        cfg.broker.problems("broker", &mut p);
+        let all = p.join("\n");
+        assert!(
+            all.contains("broker.cert_file: is empty") && all.contains("broker.key_file: is empty"),
+            "{all}"
+        );
+        assert!(!all.contains("cannot read"), "{all}");
+    }
+
+    /// With feature `amqp`, validation parses the files as a connect does.
+    #[cfg(feature = "amqp")]
+    #[test]
+    fn unusable_tls_material_is_a_config_problem() {
+        let cert = TempFile::new("cert.pem", CERT, 0o644);
+        let v1 = TempFile::new(
+            "v1.pem",
+            include_str!("../testdata/tls/client-v1.pem"),
+            0o644,
+        );
+        let other = TempFile::new(
+            "other.key",
+            include_str!("../testdata/tls/other.key"),
+            0o600,
+        );
+        let ec = TempFile::new("ec.key", include_str!("../testdata/tls/ec-sec1.key"), 0o600);
+        let key = TempFile::new("key.pem", KEY, 0o600);
+        let garbage = TempFile::new(
+            "garbage.pem",
+            "-----BEGIN CERTIFICATE-----\n%%%%\n-----END CERTIFICATE-----\n",
+            0o644,
+        );
+        let b = |ca: Option<&TempFile>, c: &TempFile, k: &TempFile| BrokerConfig {
+            url: "amqps://a:b@h:5671/%2f".into(),
+            ca_file: ca.map(|f| f.0.clone()),
+            cert_file: Some(c.0.clone()),
+            key_file: Some(k.0.clone()),
+            ..Default::default()
+        };
+        assert_eq!(broker_problems(&b(Some(&cert), &cert, &key)), "");
+        for k in [&other, &ec] {
+            let all = broker_problems(&b(None, &cert, k));
+            assert!(
+                all.contains(&format!(
+                    "broker.key_file: {} does not match the certificate",
+                    k.0.display()
+                )),
+                "{all}"
+            );
+        }
+        let all = broker_problems(&b(None, &v1, &key));
+        assert!(
+            all.contains(&format!(
+                "broker.cert_file: {} holds an X.509 version 1",
+                v1.0.display()
+            )),
+            "{all}"
+        );
+        assert!(!all.contains("key_file"), "{all}");
+        // Garbage in all three at once: every file named.
+        let all = broker_problems(&b(Some(&garbage), &garbage, &key));
+        for needle in [
+            format!("broker.ca_file: {} is not valid PEM", garbage.0.display()),
+            format!("broker.cert_file: {} is not valid PEM", garbage.0.display()),
+        ] {
+            assert!(all.contains(&needle), "{needle} not in:\n{all}");
         }
     }
 

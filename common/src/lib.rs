@@ -20,5 +20,7 @@ pub mod topology;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(feature = "amqp")]
+pub mod tls;
 
 pub use error::ConfigError;

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use vq_common::config::BrokerConfig;
 use vq_tests::harness::{
-    ensure_test_user, job, require_root, unique_cluster, wait_agent_up, AgentLaunch, TestBroker,
+    build_bin, ensure_test_user, job, require_root, unique_cluster, wait_agent_up, AgentLaunch,
+    ChildGuard, TestBroker,
 };
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode, TlsListener};
 
@@ -291,7 +292,310 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         )
         .await;
     ensure!(heard.is_err(), "the wrong-CA agent heartbeated: {heard:?}");
+    drop(_bad);
+
+    // ca_file is the only trust store. SSL_CERT_FILE stands in for the
+    // system store (rustls-native-certs reads it) and holds the CA that
+    // signed the server's certificate. Without ca_file an agent trusts it
+    // (the system roots are the default, and the test's stand-in works)...
+    let sys_dir = tempfile::tempdir()?;
+    let sys_log = sys_dir.path().join("agent.log");
+    let sys_id = format!("{cluster}-tls3");
+    let _sys = spawn_agent_with_env(
+        &AgentLaunch {
+            url: &tls_url,
+            cluster: &cluster,
+            pool: POOL,
+            agent_id: &sys_id,
+            extra_toml: TRUST_GUEST,
+            broker_toml: "",
+            dir: sys_dir.path(),
+            stderr: Some(&sys_log),
+            args: &[],
+        },
+        &[("SSL_CERT_FILE", &good_ca)],
+    )?;
+    wait_agent_up(&mut tap, &sys_id).await.with_context(|| {
+        format!(
+            "agent trusting the system store (SSL_CERT_FILE) log:\n{}",
+            std::fs::read_to_string(&sys_log).unwrap_or_default()
+        )
+    })?;
+    // ... but with a ca_file of another CA the system store is not
+    // consulted: refused.
+    let only_dir = tempfile::tempdir()?;
+    let only_log = only_dir.path().join("agent.log");
+    let only_id = format!("{cluster}-tls4");
+    let broker_toml = format!("ca_file = \"{}\"\n", other_ca.display());
+    let _only = spawn_agent_with_env(
+        &AgentLaunch {
+            url: &tls_url,
+            cluster: &cluster,
+            pool: POOL,
+            agent_id: &only_id,
+            extra_toml: TRUST_GUEST,
+            broker_toml: &broker_toml,
+            dir: only_dir.path(),
+            stderr: Some(&only_log),
+            args: &[],
+        },
+        &[("SSL_CERT_FILE", &good_ca)],
+    )?;
+    let text = wait_log(&only_log, "reconnecting", Duration::from_secs(30))?;
+    let line = text
+        .lines()
+        .find(|l| l.contains("reconnecting"))
+        .unwrap_or_default();
+    ensure!(
+        line.to_lowercase().contains("certificate") || line.contains("UnknownIssuer"),
+        "ca_file did not replace the system store: {line}"
+    );
+    let heard = tap
+        .wait_for(
+            Duration::from_secs(2),
+            "heartbeat of the ca_file-only agent",
+            |k, v| k.ends_with(".heartbeat") && v["agent"] == only_id.as_str(),
+        )
+        .await;
+    ensure!(
+        heard.is_err(),
+        "an agent whose ca_file does not hold the server's CA connected through the system store: {heard:?}"
+    );
     broker.cleanup().await;
+    Ok(())
+}
+
+/// Starts a jobagent as [`AgentLaunch::spawn`] does (same config and
+/// identity files), with the extra environment `env`.
+fn spawn_agent_with_env(
+    launch: &AgentLaunch<'_>,
+    env: &[(&str, &Path)],
+) -> anyhow::Result<ChildGuard> {
+    let bin = build_bin("vq-jobagent", "jobagent")?;
+    let config = launch.dir.join("jobagent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{}\n[broker]\nurl = \"{}\"\n{}\n",
+            launch.extra_toml, launch.url, launch.broker_toml
+        ),
+    )?;
+    let identity = launch.dir.join("identity.toml");
+    std::fs::write(
+        &identity,
+        format!(
+            "cluster = \"{}\"\npool = \"{}\"\nagent_id = \"{}\"\n",
+            launch.cluster, launch.pool, launch.agent_id
+        ),
+    )?;
+    let mut cmd = Command::new(bin);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--identity")
+        .arg(&identity)
+        .arg("--state-dir")
+        .arg(launch.dir.join("state"));
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        if k.starts_with("VQ_") || k == "SSL_CERT_FILE" || k == "SSL_CERT_DIR" {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+    );
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    if let Some(path) = launch.stderr {
+        cmd.stderr(std::fs::File::create(path)?);
+    }
+    ChildGuard::spawn(cmd)
+}
+
+/// Runs `bin` with `args`; returns its exit code and stderr.
+fn run_check(bin: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<(i32, String)> {
+    let mut cmd = Command::new(bin);
+    cmd.args(args);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("VQ_") || k.to_string_lossy().starts_with("OS_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd
+        .output()
+        .with_context(|| format!("run {}", bin.display()))?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// `--check-config` of both daemons parses the TLS files as a connect
+/// does, and lists every unusable one with the other problems (exit 64):
+/// a key of another certificate, an EC key with an RSA certificate, an
+/// X.509 v1 certificate (blamed on the certificate, not the key), garbage
+/// inside PEM markers, a CA file without a certificate. No broker needed.
+#[test]
+#[ignore = "builds the daemons and needs the openssl CLI"]
+fn check_config_reports_unusable_tls_material() -> anyhow::Result<()> {
+    let certs = tempfile::Builder::new().prefix("vq-tlscheck-").tempdir()?;
+    let d = certs.path();
+    make_ca(d, "good")?;
+    make_client_cert(d, "good", "client")?;
+    make_client_cert(d, "good", "stranger")?;
+    // An X.509 v1 certificate: `x509 -req` without -extfile.
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "good-ca.pem",
+            "-CAkey",
+            "good-ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            "v1.pem",
+        ],
+    )?;
+    openssl(
+        d,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            "ec.key",
+        ],
+    )?;
+    std::fs::write(
+        d.join("garbage.pem"),
+        "-----BEGIN CERTIFICATE-----\n%% not base64 %%\n-----END CERTIFICATE-----\n",
+    )?;
+    std::fs::write(d.join("empty.pem"), "")?;
+    use std::os::unix::fs::PermissionsExt;
+    for key in ["ec.key", "client.key", "stranger.key"] {
+        std::fs::set_permissions(d.join(key), std::fs::Permissions::from_mode(0o600))?;
+    }
+    let p = |name: &str| d.join(name).display().to_string();
+    // (ca_file, cert_file, key_file, expected problems)
+    let cases: Vec<(String, String, String, Vec<String>)> = vec![
+        (
+            p("good-ca.pem"),
+            p("client.pem"),
+            p("stranger.key"),
+            vec![format!(
+                "broker.key_file: {} does not match the certificate",
+                p("stranger.key")
+            )],
+        ),
+        (
+            p("good-ca.pem"),
+            p("client.pem"),
+            p("ec.key"),
+            vec![format!(
+                "broker.key_file: {} does not match the certificate",
+                p("ec.key")
+            )],
+        ),
+        (
+            p("good-ca.pem"),
+            p("v1.pem"),
+            p("client.key"),
+            vec![
+                format!("broker.cert_file: {} holds an X.509 version 1", p("v1.pem")),
+                "-extfile".into(),
+            ],
+        ),
+        (
+            p("empty.pem"),
+            p("garbage.pem"),
+            p("client.key"),
+            vec![
+                format!(
+                    "broker.ca_file: {} holds no PEM certificate",
+                    p("empty.pem")
+                ),
+                format!("broker.cert_file: {} is not valid PEM", p("garbage.pem")),
+            ],
+        ),
+        (
+            p("garbage.pem"),
+            p("client.pem"),
+            p("client.key"),
+            vec![format!(
+                "broker.ca_file: {} is not valid PEM",
+                p("garbage.pem")
+            )],
+        ),
+    ];
+    let agent = build_bin("vq-jobagent", "jobagent")?;
+    let controller = build_bin("vq-controller", "vq-controller")?;
+    for (ca, cert, key, needles) in &cases {
+        let broker = format!(
+            "[broker]\nurl = \"amqps://u:p@localhost:5671/%2f\"\nca_file = \"{ca}\"\n\
+             cert_file = \"{cert}\"\nkey_file = \"{key}\"\n"
+        );
+        // Another problem in each file: listed together with the TLS one.
+        let agent_toml = d.join("agent.toml");
+        std::fs::write(&agent_toml, format!("pool = \"p\"\nslots = 0\n{broker}"))?;
+        let identity = d.join("identity.toml");
+        std::fs::write(&identity, "pool = \"p\"\nagent_id = \"a1\"\n")?;
+        let (code, err) = run_check(
+            &agent,
+            &[
+                "--check-config".as_ref(),
+                "--config".as_ref(),
+                agent_toml.as_os_str(),
+                "--identity".as_ref(),
+                identity.as_os_str(),
+                "--state-dir".as_ref(),
+                d.join("state").as_os_str(),
+            ],
+        )?;
+        ensure!(code == 64, "jobagent --check-config exited {code}: {err}");
+        for needle in needles.iter().map(String::as_str).chain(["slots: 0"]) {
+            ensure!(err.contains(needle), "jobagent: {needle:?} not in:\n{err}");
+        }
+        let controller_toml = d.join("controller.toml");
+        std::fs::write(
+            &controller_toml,
+            format!(
+                "interval_secs = 0\n[pools.p]\nflavor = \"f\"\nimage = \"i\"\n\
+                 agent_broker_url = \"amqps://a:b@h/%2f\"\n{broker}"
+            ),
+        )?;
+        let (code, err) = run_check(
+            &controller,
+            &[
+                "--check-config".as_ref(),
+                "--config".as_ref(),
+                controller_toml.as_os_str(),
+            ],
+        )?;
+        ensure!(
+            code == 64,
+            "vq-controller --check-config exited {code}: {err}"
+        );
+        for needle in needles
+            .iter()
+            .map(String::as_str)
+            .chain(["interval_secs: 0"])
+        {
+            ensure!(
+                err.contains(needle),
+                "vq-controller: {needle:?} not in:\n{err}"
+            );
+        }
+    }
     Ok(())
 }
 
@@ -319,6 +623,36 @@ async fn connect_fails_fast(cfg: &BrokerConfig, what: &str) -> anyhow::Result<St
         "{what} took {elapsed:?} (timeout 20 s): a hang, not an error"
     );
     Ok(text)
+}
+
+/// Checks that `text` (a connect error) is the broker refusing the TLS
+/// handshake: one of the TLS `alerts`, or the connection reset or closed
+/// during the handshake (RabbitMQ may close the socket right after sending
+/// the alert, before the client has read it: `Connection reset by peer`).
+/// Anything else (a refused TCP connect, a timeout, an AMQP-level error) is
+/// not a handshake refusal.
+fn ensure_handshake_refused(text: &str, alerts: &[&str]) -> anyhow::Result<()> {
+    if alerts.iter().any(|a| text.contains(a)) {
+        return Ok(());
+    }
+    let lower = text.to_lowercase();
+    let reset_or_eof = [
+        "connection reset by peer",
+        "os error 104",
+        "unexpected end of file",
+        "unexpectedeof",
+        "peer closed connection without sending tls close_notify",
+        "broken pipe",
+    ];
+    ensure!(
+        reset_or_eof.iter().any(|r| lower.contains(r)),
+        "neither a TLS alert ({alerts:?}) nor a reset/EOF during the handshake: {text}"
+    );
+    ensure!(
+        !lower.contains("connection refused") && !lower.contains("timed out"),
+        "not a handshake refusal: {text}"
+    );
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,19 +702,21 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
     let conn = vq_common::amqp::connect(&cfg(Some("client")), "vq-tests mtls").await?;
     let _ = conn.close(200, "ok".into()).await;
 
-    // No certificate: the broker ends the handshake, fast and as TLS.
-    // (TLS 1.3 sends certificate_required, TLS 1.2 handshake_failure.)
+    // No certificate: the broker ends the handshake, fast. (TLS 1.3 sends
+    // certificate_required, TLS 1.2 handshake_failure; but the broker may
+    // close the socket before the client reads the alert, and then the
+    // client sees a reset or EOF instead: both are a refusal.)
     let text = connect_fails_fast(&cfg(None), "no client certificate").await?;
-    ensure!(
-        text.contains("CertificateRequired") || text.contains("HandshakeFailure"),
-        "the no-certificate error does not name the TLS alert: {text}"
-    );
+    ensure_handshake_refused(&text, &["CertificateRequired", "HandshakeFailure"])?;
     // A certificate of another CA: refused the same way.
     let text = connect_fails_fast(&cfg(Some("stranger")), "client cert of another CA").await?;
-    ensure!(
-        text.contains("UnknownCA") || text.contains("BadCertificate"),
-        "the foreign-certificate error does not name the TLS alert: {text}"
-    );
+    ensure_handshake_refused(&text, &["UnknownCA", "BadCertificate"])?;
+    // The refusals were about the certificates: the same node still takes
+    // the client with its good certificate.
+    let conn = vq_common::amqp::connect(&cfg(Some("client")), "vq-tests mtls again")
+        .await
+        .context("the good client certificate, after the refusals")?;
+    let _ = conn.close(200, "ok".into()).await;
     // A key that is not the certificate's: refused before connecting, by
     // name.
     let mismatched = BrokerConfig {
