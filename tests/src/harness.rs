@@ -902,6 +902,7 @@ pub fn start_agent_in(
         dir,
         stderr: None,
         args: &[],
+        env: &[],
     }
     .spawn()
 }
@@ -1026,6 +1027,9 @@ pub struct AgentLaunch<'a> {
     pub stderr: Option<&'a Path>,
     /// Extra command-line arguments (e.g. `--drain-grace-secs`).
     pub args: &'a [&'a str],
+    /// Environment variables set for the agent (after the test's `VQ_*`,
+    /// `SSL_CERT_FILE` and `SSL_CERT_DIR` are removed).
+    pub env: &'a [(&'a str, &'a std::ffi::OsStr)],
 }
 
 impl AgentLaunch<'_> {
@@ -1061,7 +1065,8 @@ impl AgentLaunch<'_> {
             .arg(self.dir.join("state"))
             .args(self.args);
         for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("VQ_") {
+            let name = k.to_string_lossy();
+            if name.starts_with("VQ_") || name == "SSL_CERT_FILE" || name == "SSL_CERT_DIR" {
                 cmd.env_remove(k);
             }
         }
@@ -1069,6 +1074,9 @@ impl AgentLaunch<'_> {
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
         );
+        for (k, v) in self.env {
+            cmd.env(k, v);
+        }
         if let Some(path) = self.stderr {
             cmd.stderr(std::fs::File::create(path)?);
         }

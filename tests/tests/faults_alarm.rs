@@ -165,6 +165,7 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         dir: dir.path(),
         stderr: Some(&log),
         args: &[],
+        env: &[],
     };
     let mut guard = agent.spawn()?;
     let mut seen = DurableTap::new(TAP);

@@ -72,6 +72,7 @@ fn spawn_agent(
         dir,
         stderr: None,
         args: &["--drain-grace-secs", &grace],
+        env: &[],
     }
     .spawn()
 }

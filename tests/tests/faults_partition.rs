@@ -335,6 +335,7 @@ async fn a_silent_partition_neither_loses_nor_duplicates_jobs() -> anyhow::Resul
         dir: dir.path(),
         stderr: Some(&agent_log),
         args: &[],
+        env: &[],
     }
     .spawn()?;
     let up = tap

@@ -65,6 +65,7 @@ async fn a_pool_queue_with_other_arguments_is_a_clear_error_retried_with_backoff
         dir: dir.path(),
         stderr: Some(&log),
         args: &[],
+        env: &[],
     }
     .spawn()?;
     tokio::time::sleep(Duration::from_secs(6)).await;

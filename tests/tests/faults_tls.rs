@@ -28,7 +28,7 @@ use anyhow::{bail, ensure, Context};
 use vq_common::config::BrokerConfig;
 use vq_tests::harness::{
     build_bin, ensure_test_user, job, require_root, unique_cluster, wait_agent_up, AgentLaunch,
-    ChildGuard, TestBroker,
+    TestBroker,
 };
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode, TlsListener};
 
@@ -233,6 +233,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         dir: good_dir.path(),
         stderr: Some(&good_log),
         args: &[],
+        env: &[],
     }
     .spawn()?;
     wait_agent_up(&mut tap, &good_id).await.with_context(|| {
@@ -268,6 +269,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         dir: bad_dir.path(),
         stderr: Some(&bad_log),
         args: &[],
+        env: &[],
     }
     .spawn()?;
     let text = wait_log(&bad_log, "reconnecting", Duration::from_secs(30))?;
@@ -301,20 +303,19 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
     let sys_dir = tempfile::tempdir()?;
     let sys_log = sys_dir.path().join("agent.log");
     let sys_id = format!("{cluster}-tls3");
-    let _sys = spawn_agent_with_env(
-        &AgentLaunch {
-            url: &tls_url,
-            cluster: &cluster,
-            pool: POOL,
-            agent_id: &sys_id,
-            extra_toml: TRUST_GUEST,
-            broker_toml: "",
-            dir: sys_dir.path(),
-            stderr: Some(&sys_log),
-            args: &[],
-        },
-        &[("SSL_CERT_FILE", &good_ca)],
-    )?;
+    let _sys = AgentLaunch {
+        url: &tls_url,
+        cluster: &cluster,
+        pool: POOL,
+        agent_id: &sys_id,
+        extra_toml: TRUST_GUEST,
+        broker_toml: "",
+        dir: sys_dir.path(),
+        stderr: Some(&sys_log),
+        args: &[],
+        env: &[("SSL_CERT_FILE", good_ca.as_os_str())],
+    }
+    .spawn()?;
     wait_agent_up(&mut tap, &sys_id).await.with_context(|| {
         format!(
             "agent trusting the system store (SSL_CERT_FILE) log:\n{}",
@@ -327,20 +328,19 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
     let only_log = only_dir.path().join("agent.log");
     let only_id = format!("{cluster}-tls4");
     let broker_toml = format!("ca_file = \"{}\"\n", other_ca.display());
-    let _only = spawn_agent_with_env(
-        &AgentLaunch {
-            url: &tls_url,
-            cluster: &cluster,
-            pool: POOL,
-            agent_id: &only_id,
-            extra_toml: TRUST_GUEST,
-            broker_toml: &broker_toml,
-            dir: only_dir.path(),
-            stderr: Some(&only_log),
-            args: &[],
-        },
-        &[("SSL_CERT_FILE", &good_ca)],
-    )?;
+    let _only = AgentLaunch {
+        url: &tls_url,
+        cluster: &cluster,
+        pool: POOL,
+        agent_id: &only_id,
+        extra_toml: TRUST_GUEST,
+        broker_toml: &broker_toml,
+        dir: only_dir.path(),
+        stderr: Some(&only_log),
+        args: &[],
+        env: &[("SSL_CERT_FILE", good_ca.as_os_str())],
+    }
+    .spawn()?;
     let text = wait_log(&only_log, "reconnecting", Duration::from_secs(30))?;
     let line = text
         .lines()
@@ -363,55 +363,6 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
     );
     broker.cleanup().await;
     Ok(())
-}
-
-/// Starts a jobagent as [`AgentLaunch::spawn`] does (same config and
-/// identity files), with the extra environment `env`.
-fn spawn_agent_with_env(
-    launch: &AgentLaunch<'_>,
-    env: &[(&str, &Path)],
-) -> anyhow::Result<ChildGuard> {
-    let bin = build_bin("vq-jobagent", "jobagent")?;
-    let config = launch.dir.join("jobagent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{}\n[broker]\nurl = \"{}\"\n{}\n",
-            launch.extra_toml, launch.url, launch.broker_toml
-        ),
-    )?;
-    let identity = launch.dir.join("identity.toml");
-    std::fs::write(
-        &identity,
-        format!(
-            "cluster = \"{}\"\npool = \"{}\"\nagent_id = \"{}\"\n",
-            launch.cluster, launch.pool, launch.agent_id
-        ),
-    )?;
-    let mut cmd = Command::new(bin);
-    cmd.arg("--config")
-        .arg(&config)
-        .arg("--identity")
-        .arg(&identity)
-        .arg("--state-dir")
-        .arg(launch.dir.join("state"));
-    for (k, _) in std::env::vars_os() {
-        let k = k.to_string_lossy().into_owned();
-        if k.starts_with("VQ_") || k == "SSL_CERT_FILE" || k == "SSL_CERT_DIR" {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(
-        "RUST_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-    );
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    if let Some(path) = launch.stderr {
-        cmd.stderr(std::fs::File::create(path)?);
-    }
-    ChildGuard::spawn(cmd)
 }
 
 /// Runs `bin` with `args`; returns its exit code and stderr.
@@ -753,6 +704,7 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
         dir: dir.path(),
         stderr: Some(&log),
         args: &[],
+        env: &[],
     }
     .spawn()?;
     wait_agent_up(&mut tap, &id).await.with_context(|| {
