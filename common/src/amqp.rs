@@ -197,6 +197,17 @@ pub async fn connect(cfg: &BrokerConfig, name: &str) -> Result<Connection, AmqpE
             })
         }
     };
+    // Plain AMQP with a CA file would send the password in clear while
+    // the operator believes TLS is on (the CLI's URL and CA file can come
+    // from different places).
+    if let (Some(ca), false) = (&cfg.ca_file, url.starts_with("amqps://")) {
+        return Err(AmqpError::CaFile {
+            path: ca.display().to_string(),
+            problem: format!(
+                "set, but the broker URL {redacted} is not amqps:// (TLS would not be used)"
+            ),
+        });
+    }
     let exclusive = match &cfg.ca_file {
         Some(ca) if url.starts_with("amqps://") => {
             let roots = crate::tls::load_ca(ca).map_err(tls_file_error)?;
@@ -615,7 +626,10 @@ const BLOCKED_POLL: Duration = Duration::from_millis(250);
 /// towards `timeout` while waiting for the confirm: a message written into
 /// a blocked connection is still read by the broker after the alarm (even
 /// after the client has gone), so giving up and sending it again, or
-/// treating it as not sent, would duplicate it.
+/// treating it as not sent, would duplicate it. It therefore does not
+/// return while `blocked()` stays true and the channel stays open: bound
+/// it from outside where that matters (the controller gives a cycle
+/// `SHUTDOWN_GRACE` after a shutdown request).
 ///
 /// # Errors
 /// As [`publish_confirmed`]; [`AmqpError::Timeout`] also when the channel

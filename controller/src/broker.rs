@@ -628,14 +628,17 @@ impl Broker {
             })
             .await?;
         }
+        // Registry entries first: an agent (wrongly fenced, alive) that
+        // finds its lease queue gone registers again, and that entry must
+        // survive this fence.
+        self.remove_entries(ch, &self.topo.agents_queue(), agent)
+            .await?;
         bounded("delete the lease queue", OP_TIMEOUT, async {
             ch.queue_delete(lease.as_str().into(), QueueDeleteOptions::default())
                 .await
                 .map_err(op_err("delete lease queue"))
         })
         .await?;
-        self.remove_entries(ch, &self.topo.agents_queue(), agent)
-            .await?;
         self.remove_entries(ch, &self.topo.fence_queue(), agent)
             .await?;
         tracing::info!(

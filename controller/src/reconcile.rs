@@ -30,6 +30,8 @@ use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_
 pub const BACKOFF_BASE: Duration = Duration::from_secs(2);
 /// Largest delay after failed cycles.
 pub const BACKOFF_CAP: Duration = Duration::from_secs(300);
+/// How long a cycle may go on after a shutdown request, seconds.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// The broker operations the loop needs (the real [`Broker`] or a fake).
 pub trait BrokerApi: Messenger {
@@ -693,7 +695,21 @@ pub async fn run(
             _ = ticker.tick() => {}
             _ = shutdown.cancelled() => break,
         }
-        let s = ctl.cycle(&shutdown).await;
+        // A cycle ends on its own after a shutdown request (it acts on
+        // nothing more), except one waiting out a broker alarm in a fence:
+        // that one is given SHUTDOWN_GRACE.
+        let cycle = ctl.cycle(&shutdown);
+        tokio::pin!(cycle);
+        let s = tokio::select! {
+            s = &mut cycle => s,
+            _ = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } => {
+                tracing::warn!(grace_secs = SHUTDOWN_GRACE.as_secs(), "the cycle did not end after the shutdown request (waiting out a broker alarm?); stopping it");
+                break;
+            }
+        };
         tracing::debug!(?s, "cycle done");
         if opts.once {
             tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");

@@ -180,6 +180,13 @@ async fn run_session(
         "",
     )
     .await?;
+    // A lease queue missing at a session start after the first one was
+    // deleted under us (a fence, which also removed our registry entry):
+    // register again once it is declared again.
+    if !lease_queue_exists(conn, &topo.lease_queue(&ctx.agent)).await? {
+        ctx.registered
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
     declare_lease_queue(&pub_ch, topo, &ctx.agent).await?;
     let lease_ch = bounded("open lease channel", OP_TIMEOUT, async {
         conn.create_channel().await.map_err(op("channel.open"))
@@ -355,6 +362,36 @@ async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
     ctx.registered.store(true, Ordering::SeqCst);
     debug!(queue = %queue, "registered in the agent registry");
     Ok(())
+}
+
+/// Whether `queue` exists (passive declare on a throwaway channel: a
+/// missing queue closes it with 404).
+async fn lease_queue_exists(conn: &Connection, queue: &str) -> Result<bool, AgentError> {
+    let ch = bounded("open probe channel", OP_TIMEOUT, async {
+        conn.create_channel().await.map_err(op("channel.open"))
+    })
+    .await?;
+    let r = bounded("probe lease queue", OP_TIMEOUT, async {
+        Ok(ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await)
+    })
+    .await?;
+    match r {
+        Ok(_) => {
+            let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "probed".into())).await;
+            Ok(true)
+        }
+        Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("404") => Ok(false),
+        Err(e) => Err(op("probe lease queue")(e).into()),
+    }
 }
 
 fn pool_header(pool: &str) -> FieldTable {

@@ -459,6 +459,33 @@ async fn an_agent_whose_lease_queue_was_deleted_declares_it_again_and_loses_noth
         broker.queue_len(&broker.topo.lease_queue(&a1)).await? == 0,
         "the lease queue was not declared again (or a lease was left)"
     );
+    // Found missing another way: deleted while idle, then the connection
+    // drops. The next session finds it missing and registers again.
+    broker
+        .ch
+        .queue_delete(
+            broker.topo.lease_queue(&a1).as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await?;
+    let _ = broker
+        .ch
+        .queue_purge(
+            broker.topo.agents_queue().as_str().into(),
+            lapin::options::QueuePurgeOptions::default(),
+        )
+        .await?;
+    let needle = format!("jobagent {a1}");
+    tokio::task::spawn_blocking(move || vq_tests::harness::close_broker_connections(&needle))
+        .await??;
+    let deadline = Instant::now() + WAIT;
+    while !registered(&broker).await?.contains(&a1) {
+        ensure!(
+            Instant::now() < deadline,
+            "the agent did not register again after finding its lease queue gone"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     broker.cleanup().await;
     Ok(())
 }
