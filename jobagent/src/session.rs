@@ -337,9 +337,11 @@ async fn run_session(
     }
 }
 
-/// Puts this agent's id into the agent registry once per process, before
-/// it can claim a job: a controller that never heard this agent (its server
-/// vanished while no controller listened) still finds its lease queue.
+/// Puts this agent's id and pool into the agent registry before it can
+/// claim a job: once per process, and again in a session that found its
+/// lease queue missing (a fence removed the entry too). A controller that
+/// never heard this agent (its server vanished while no controller
+/// listened) still finds its lease queue.
 async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
     use std::sync::atomic::Ordering;
     if ctx.registered.load(Ordering::SeqCst) {
