@@ -123,6 +123,18 @@ impl AmqpError {
     }
 }
 
+/// AMQP reply code NOT_FOUND (a missing queue or exchange).
+pub const NOT_FOUND: u16 = 404;
+
+/// The AMQP reply code of a lapin error (e.g. 404 NOT_FOUND, 403
+/// ACCESS_REFUSED), if the broker sent one.
+pub fn lapin_reply_code(err: &lapin::Error) -> Option<u16> {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+        _ => None,
+    }
+}
+
 fn reply_text(e: &lapin::Error) -> String {
     e.to_string()
 }

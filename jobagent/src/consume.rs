@@ -290,10 +290,9 @@ async fn claim_and_run(
     {
         if matches!(e, AmqpError::Unroutable { .. }) {
             // Our lease queue was deleted (a controller fenced this agent):
-            // pulling on would bounce every job back into the pool.
+            // pulling on would bounce every job back into the pool. The next
+            // session finds it missing, declares it and registers again.
             warn!(queue = %ctx.leases.queue(), "the lease queue is gone (fenced?): returning the job, reconnecting to declare it and register again");
-            ctx.registered
-                .store(false, std::sync::atomic::Ordering::SeqCst);
             ctx.lease_queue_gone
                 .store(true, std::sync::atomic::Ordering::SeqCst);
             ctx.shared.pull_changed.notify_one();

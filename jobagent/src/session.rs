@@ -391,7 +391,9 @@ async fn lease_queue_exists(conn: &Connection, queue: &str) -> Result<bool, Agen
             let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "probed".into())).await;
             Ok(true)
         }
-        Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("404") => Ok(false),
+        Err(e) if vq_common::amqp::lapin_reply_code(&e) == Some(vq_common::amqp::NOT_FOUND) => {
+            Ok(false)
+        }
         Err(e) => Err(op("probe lease queue")(e).into()),
     }
 }

@@ -198,14 +198,4 @@ pub fn amqp_reply_code(err: &AmqpError) -> Option<u16> {
     lapin_reply_code(source)
 }
 
-/// The AMQP reply code of a lapin error, if the broker sent one.
-pub fn lapin_reply_code(err: &lapin::Error) -> Option<u16> {
-    match err.kind() {
-        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
-        lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Error, _) => None,
-        _ => None,
-    }
-}
-
-/// AMQP reply code NOT_FOUND.
-pub const NOT_FOUND: u16 = 404;
+pub use vq_common::amqp::{lapin_reply_code, NOT_FOUND};
