@@ -553,6 +553,12 @@ pub async fn declare_pool_queue(
     .await
 }
 
+/// Properties of a job event: [`json_properties`] plus its stable
+/// `message_id` ([`JobEvent::message_id`]), on which consumers deduplicate.
+pub fn event_properties(event: &crate::messages::JobEvent) -> BasicProperties {
+    json_properties::<crate::messages::JobEvent>().with_message_id(event.message_id().into())
+}
+
 /// Properties of a JSON message of type `M`: content type, schema header,
 /// persistent delivery mode, current timestamp.
 pub fn json_properties<M: Message>() -> BasicProperties {
@@ -755,6 +761,79 @@ pub fn header_str(props: &BasicProperties, name: &str) -> Option<String> {
 pub fn with_header_u32(props: BasicProperties, name: &str, value: u32) -> BasicProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(name.into(), AMQPValue::LongLongInt(i64::from(value)));
+    props.with_headers(headers)
+}
+
+/// Looks at or takes the claim marker of job `job_id` for claim `claim` of
+/// agent `agent` (see [`crate::lease`]): declares it with that claim's
+/// arguments, after a passive declaration when `create` is false (a
+/// missing marker is then [`Marker::Absent`](crate::lease::Marker) and is
+/// not created). A 404 or 406 reply closes `ch`: use a channel that holds
+/// nothing else.
+///
+/// # Errors
+/// [`AmqpError`] when the outcome is unknown (not connected, timeout,
+/// connection lost): ask again.
+pub async fn claim_marker(
+    ch: &Channel,
+    topo: &Topology,
+    job_id: &str,
+    agent: &str,
+    claim: &str,
+    create: bool,
+) -> Result<crate::lease::Marker, AmqpError> {
+    use crate::lease::Marker;
+    const PRECONDITION_FAILED: u16 = 406;
+    let queue = topo.claim_queue(job_id);
+    let op = |what: &str, source| AmqpError::Op {
+        what: what.into(),
+        source,
+    };
+    if !create {
+        let r = bounded("look up claim marker", DECLARE_TIMEOUT, async {
+            Ok(ch
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await)
+        })
+        .await?;
+        match r {
+            Ok(_) => {}
+            Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => return Ok(Marker::Absent),
+            Err(e) => return Err(op("look up claim marker", e)),
+        }
+    }
+    let args = field_table(&topo.claim_queue_args(agent, claim));
+    let r = bounded("declare claim marker", DECLARE_TIMEOUT, async {
+        Ok(ch
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await)
+    })
+    .await?;
+    match r {
+        Ok(_) => Ok(Marker::Ours),
+        Err(e) if lapin_reply_code(&e) == Some(PRECONDITION_FAILED) => Ok(Marker::Theirs),
+        Err(e) => Err(op("declare claim marker", e)),
+    }
+}
+
+/// `props` with string header `name` set to `value` (replacing any).
+pub fn with_header_str(props: BasicProperties, name: &str, value: &str) -> BasicProperties {
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(name.into(), AMQPValue::LongString(value.into()));
     props.with_headers(headers)
 }
 

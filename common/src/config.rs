@@ -338,6 +338,11 @@ pub struct AgentConfig {
     /// Largest walltime a job may ask for, seconds (a job asking more is
     /// refused, as a PBS queue's `resources_max.walltime` does).
     pub max_walltime_secs: u64,
+    /// Losses of a job to lost nodes (an agent restart on this VM counts)
+    /// after which it is dead-lettered instead of run again
+    /// ([`crate::lease::fate`]); the controller's `loss_limit`, which the
+    /// identity file it writes carries, wins over this.
+    pub loss_limit: u32,
     /// Broker users whose control messages (drain, ask-delete, cancel of any
     /// job) this agent obeys: the controller's account and operators. Anyone
     /// else may only cancel jobs they own or submitted.
@@ -397,6 +402,7 @@ impl Default for AgentConfig {
             heartbeat_secs: 10.0,
             default_walltime_secs: 24 * 3600,
             max_walltime_secs: 31 * 24 * 3600,
+            loss_limit: crate::topology::DEFAULT_LOSS_LIMIT,
             control_admins: vec!["vq-controller".into()],
             kill_grace_secs: 10,
             default_umask: 0o022,
@@ -424,6 +430,9 @@ impl AgentConfig {
         self.agent_id = id.agent_id.clone();
         if let Some(url) = &id.broker_url {
             self.broker.url = url.clone();
+        }
+        if let Some(n) = id.loss_limit {
+            self.loss_limit = n;
         }
     }
 
@@ -456,6 +465,9 @@ impl AgentConfig {
         }
         if self.min_uid == 0 {
             p.push("min_uid: 0 would allow jobs as root; use 1 or more".into());
+        }
+        if self.loss_limit == 0 {
+            p.push("loss_limit: must be at least 1".into());
         }
         if !(self.heartbeat_secs.is_finite()
             && self.heartbeat_secs >= 0.1
@@ -547,6 +559,10 @@ pub struct AgentIdentity {
     /// Broker URL with the agent's credentials, if not the config's.
     #[serde(default)]
     pub broker_url: Option<String>,
+    /// The controller's `loss_limit`, so that agent and controller decide a
+    /// lost job's fate alike; `None`: the config's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_limit: Option<u32>,
 }
 
 /// One pool (VM type) managed by the controller.

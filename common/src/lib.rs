@@ -6,6 +6,7 @@
 //! * [`topology`]: exchange, queue and routing-key names and queue arguments;
 //! * [`config`]: config structs, `VQ_*` overrides and `validate()`;
 //! * [`pbs`]: `#PBS` directive and walltime parsing;
+//! * [`lease`]: lease fate and claim ownership rules both daemons apply;
 //! * `amqp` (feature `amqp`): connect, declare, publish with a confirm.
 //!
 //! Everything but `amqp` is pure: no I/O beyond reading a named config file.
@@ -14,6 +15,7 @@
 
 pub mod config;
 pub mod error;
+pub mod lease;
 pub mod messages;
 pub mod pbs;
 pub mod topology;

@@ -37,6 +37,9 @@ pub const SUBMITTER_HEADER: &str = "x-vq-submitter";
 /// shared file system; the script travels inside every copy of the message.
 pub const MAX_SCRIPT_BYTES: usize = 1024 * 1024;
 
+/// Longest accepted job id, in bytes (the agent refuses longer ones).
+pub const MAX_JOB_ID_BYTES: usize = 128;
+
 /// Largest accepted job message, in bytes (2 MiB: script plus environment).
 pub const MAX_JOB_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
 
@@ -280,9 +283,88 @@ pub struct JobEvent {
     pub submitter: Option<String>,
     /// When the event happened, Unix seconds (sender's clock; informative).
     pub at: f64,
+    /// Which execution of the job this is about: 1 for the first, 1 + the
+    /// job's losses to lost nodes for a rerun (`x-vq-losses`). Part of the
+    /// `started` event's [`JobEvent::message_id`], so that a rerun's start
+    /// is not taken for a retransmission of the first.
+    #[serde(default = "first_attempt", skip_serializing_if = "is_first_attempt")]
+    pub attempt: u32,
+    /// Set when this event is about a *second message* that reused the id
+    /// of a job another agent had claimed already (a duplicate submission,
+    /// or a redelivered copy of a claimed job): that message was
+    /// dead-lettered and this event tells its submitter; it says nothing
+    /// about the claimed job, which reports on its own. The value is the
+    /// message's [`fingerprint`] in 16 hex digits (part of the
+    /// [`JobEvent::message_id`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duplicate: Option<String>,
     /// What happened.
     #[serde(flatten)]
     pub state: JobState,
+}
+
+fn first_attempt() -> u32 {
+    1
+}
+
+fn is_first_attempt(n: &u32) -> bool {
+    *n == 1
+}
+
+impl JobEvent {
+    /// An event about `job` (or, when its body could not be decoded, about
+    /// the message with id `job_id`), reported by `agent` for `pool`, as
+    /// the first attempt and not a duplicate.
+    pub fn about(
+        job: Option<&Job>,
+        job_id: &str,
+        pool: &str,
+        agent: &str,
+        submitter: Option<&str>,
+        state: JobState,
+    ) -> JobEvent {
+        JobEvent {
+            schema: SCHEMA_VERSION,
+            job_id: job.map_or_else(|| job_id.to_string(), |j| j.id.clone()),
+            job_name: job.map(|j| j.name.clone()).unwrap_or_default(),
+            owner: job.map(|j| j.owner.clone()).unwrap_or_default(),
+            pool: pool.into(),
+            agent: agent.into(),
+            submitter: submitter.map(str::to_string),
+            at: unix_now(),
+            attempt: 1,
+            duplicate: None,
+            state,
+        }
+    }
+
+    /// The event's stable AMQP `message_id`, the same for every
+    /// retransmission of one state change, so consumers deduplicate on it
+    /// (an unknown publish outcome is resolved by publishing again):
+    ///
+    /// * `<job_id>.started.<attempt>`;
+    /// * `<job_id>.finished`, `<job_id>.cancelled`, `<job_id>.failed`: the
+    ///   job's one final result;
+    /// * `<job_id>.duplicate.<fingerprint>` for a [`JobEvent::duplicate`]
+    ///   report.
+    pub fn message_id(&self) -> String {
+        let word = self.state.routing_word();
+        match (&self.duplicate, &self.state) {
+            (Some(fp), _) => format!("{}.duplicate.{fp}", self.job_id),
+            (None, JobState::Started) => format!("{}.{word}.{}", self.job_id, self.attempt),
+            (None, _) => format!("{}.{word}", self.job_id),
+        }
+    }
+}
+
+/// A 64-bit FNV-1a fingerprint of `bytes` in 16 hex digits: stable across
+/// processes and versions (names a duplicate message in
+/// [`JobEvent::duplicate`]).
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{h:016x}")
 }
 
 /// State of an agent, as reported in its heartbeat.

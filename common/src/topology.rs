@@ -41,6 +41,19 @@ pub const POOL_HEADER: &str = "x-vq-pool";
 /// run again (a poison job that kills its agent or VM).
 pub const DEFAULT_LOSS_LIMIT: u32 = 3;
 
+/// AMQP header of a lease copy naming the claim it belongs to (a UUID
+/// chosen by the claiming agent; see [`crate::lease`]).
+pub const CLAIM_HEADER: &str = "x-vq-claim";
+
+/// How long a claim marker lives unused, in milliseconds (8 days).
+/// Running agents declare their markers again every
+/// [`CLAIM_REFRESH_SECS`], which keeps them alive; a marker kept after its
+/// job ended ([`crate::lease::may_delete_marker`]) goes after this long.
+pub const CLAIM_TTL_MS: i64 = 8 * 24 * 3600 * 1000;
+
+/// How often a running agent declares its claim markers again, seconds.
+pub const CLAIM_REFRESH_SECS: u64 = 6 * 3600;
+
 /// Retention of the job-event stream, as a RabbitMQ `x-max-age` value.
 pub const EVENT_LOG_MAX_AGE: &str = "7D";
 
@@ -216,6 +229,36 @@ impl Topology {
     /// Arguments of the fence queue (a quorum queue).
     pub fn fence_queue_args(&self) -> QueueArgs {
         vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
+
+    /// The claim marker of job `job_id` (see [`crate::lease`]): an empty
+    /// durable queue whose declaration arguments name the agent and claim
+    /// that own the job.
+    pub fn claim_queue(&self, job_id: &str) -> String {
+        format!("{}.claim.{job_id}", self.cluster)
+    }
+
+    /// Declaration arguments of a claim marker owned by claim `claim` of
+    /// agent `agent`: a classic queue (markers hold no messages; quorum
+    /// would cost a Raft group per job) that expires after
+    /// [`CLAIM_TTL_MS`] unused, dead-lettering to the cluster's dead-letter
+    /// exchange with routing key `"<agent> <claim>"`. RabbitMQ compares
+    /// these arguments on every declaration, so only the owner's
+    /// declaration succeeds; the routing key also shows operators who owns
+    /// a job (`rabbitmqctl list_queues name arguments`).
+    pub fn claim_queue_args(&self, agent: &str, claim: &str) -> QueueArgs {
+        vec![
+            ("x-queue-type", ArgValue::Str("classic".into())),
+            ("x-expires", ArgValue::Int(CLAIM_TTL_MS)),
+            (
+                "x-dead-letter-exchange",
+                ArgValue::Str(self.dead_exchange()),
+            ),
+            (
+                "x-dead-letter-routing-key",
+                ArgValue::Str(format!("{agent} {claim}")),
+            ),
+        ]
     }
 
     /// Registry of agents that may hold leases: every agent process

@@ -35,6 +35,10 @@ fn every_fixture_survives_a_round_trip() {
     assert_eq!(ev.state.routing_word(), "finished");
     round_trip::<JobEvent>("job-event-walltime.json");
     round_trip::<JobEvent>("job-event-failed.json");
+    let rerun: JobEvent = round_trip("job-event-started-rerun.json");
+    assert_eq!(rerun.attempt, 2);
+    let dup: JobEvent = round_trip("job-event-duplicate.json");
+    assert!(dup.duplicate.is_some());
     round_trip::<Heartbeat>("heartbeat.json");
     round_trip::<Demand>("demand.json");
     round_trip::<Control>("control-ask-delete.json");
@@ -59,5 +63,22 @@ fn published_json_schemas_are_up_to_date() {
     assert!(
         stale.is_empty(),
         "schemas/ is stale for {stale:?}: run `VQ_BLESS=1 cargo test -p vq-common --test wire`"
+    );
+}
+
+#[test]
+fn every_state_change_has_its_own_stable_message_id() {
+    let id = "3f2a9c1e-5b7d-4e1a-9c0b-2d6f8e4a1b3c";
+    let ev = |name: &str| JobEvent::decode(&fixture(name)).unwrap().message_id();
+    assert_eq!(ev("job-event-started.json"), format!("{id}.started.1"));
+    assert_eq!(
+        ev("job-event-started-rerun.json"),
+        format!("{id}.started.2")
+    );
+    assert_eq!(ev("job-event-finished.json"), format!("{id}.finished"));
+    assert_eq!(ev("job-event-failed.json"), "9e.failed");
+    assert_eq!(
+        ev("job-event-duplicate.json"),
+        format!("{id}.duplicate.8a3f0c5e2b917d44")
     );
 }

@@ -76,13 +76,22 @@ struct CloudConfig {
 /// holds the agent's broker credentials and jobs run as ordinary users.
 pub const BLOCK_METADATA_CMD: &str = "command -v iptables >/dev/null 2>&1 && { iptables -C OUTPUT -d 169.254.169.254 -m owner ! --uid-owner 0 -j REJECT 2>/dev/null || iptables -I OUTPUT -d 169.254.169.254 -m owner ! --uid-owner 0 -j REJECT; } || echo 'vq: no iptables: job owners can read the user-data from the metadata service' >&2";
 
-/// The identity file of a new agent, as TOML.
-pub fn identity_toml(cluster: &str, pool: &str, agent_id: &str, cfg: &PoolConfig) -> String {
+/// The identity file of a new agent, as TOML. It carries the
+/// controller's `loss_limit` so that the agent, recovering its own leases
+/// after a restart, decides a lost job's fate as the controller does.
+pub fn identity_toml(
+    cluster: &str,
+    pool: &str,
+    agent_id: &str,
+    cfg: &PoolConfig,
+    loss_limit: u32,
+) -> String {
     let id = AgentIdentity {
         cluster: Some(cluster.to_string()),
         pool: pool.to_string(),
         agent_id: agent_id.to_string(),
         broker_url: Some(cfg.agent_broker_url.clone()),
+        loss_limit: Some(loss_limit),
     };
     toml::to_string(&id).expect("identity serializes to TOML")
 }
@@ -103,9 +112,10 @@ pub fn render_user_data(
     pool: &str,
     agent_id: &str,
     cfg: &PoolConfig,
+    loss_limit: u32,
     template: Option<&str>,
 ) -> Result<String, ActError> {
-    let identity = identity_toml(cluster, pool, agent_id, cfg);
+    let identity = identity_toml(cluster, pool, agent_id, cfg, loss_limit);
     if let Some(t) = template {
         return Ok(t
             .replace("{{identity_toml}}", &identity)
@@ -161,6 +171,8 @@ pub struct PoolRef<'a> {
     pub name: &'a str,
     /// Pool settings.
     pub cfg: &'a PoolConfig,
+    /// The controller's `loss_limit`, written into new agents' identity.
+    pub loss_limit: u32,
 }
 
 /// Carries out `actions` for `pool`. Deletions and questions go first (they
@@ -281,6 +293,7 @@ async fn boot<C: CloudApi>(
             pool.name,
             &name,
             pool.cfg,
+            pool.loss_limit,
             template.as_deref(),
         )?;
         let metadata: BTreeMap<String, String> = [
@@ -330,7 +343,7 @@ mod tests {
 
     #[test]
     fn default_user_data_writes_the_identity_for_cloud_init() {
-        let ud = render_user_data("vq", "cms", "vq-cms-0000abcd", &pool_cfg(), None).unwrap();
+        let ud = render_user_data("vq", "cms", "vq-cms-0000abcd", &pool_cfg(), 5, None).unwrap();
         assert!(ud.starts_with("#cloud-config\n"));
         let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&ud).unwrap();
         let wf = &doc["write_files"][0];
@@ -344,6 +357,11 @@ mod tests {
             id.broker_url.as_deref(),
             Some("amqp://agent:pw@10.0.0.1:5672/%2f")
         );
+        assert_eq!(
+            id.loss_limit,
+            Some(5),
+            "the agent gets the controller's loss_limit"
+        );
         assert_eq!(doc["runcmd"][0][4].as_str(), Some("jobagent"));
         assert_eq!(doc["runcmd"][0][3].as_str(), Some("--no-block"));
         assert!(doc["bootcmd"][0][2]
@@ -355,7 +373,7 @@ mod tests {
     #[test]
     fn templates_get_their_placeholders_replaced() {
         let t = "#!/bin/sh\necho {{agent_id}} {{pool}} {{cluster}} {{broker_url}}\ncat > /etc/vq/identity.toml <<'E'\n{{identity_toml}}E\n";
-        let ud = render_user_data("vq", "cms", "vq-cms-1", &pool_cfg(), Some(t)).unwrap();
+        let ud = render_user_data("vq", "cms", "vq-cms-1", &pool_cfg(), 5, Some(t)).unwrap();
         assert!(ud.contains("echo vq-cms-1 cms vq amqp://agent:pw@10.0.0.1:5672/%2f"));
         assert!(ud.contains("agent_id = \"vq-cms-1\""));
         assert!(!ud.contains("{{"));

@@ -32,10 +32,12 @@ use tokio::time::Instant;
 use vq_common::amqp::{self, bounded, header_str, header_u32, with_header_u32, AmqpError};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{
-    unix_now, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message,
-    DEAD_BY_HEADER, REASON_HEADER, SCHEMA_VERSION, SUBMITTER_HEADER,
+    Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message, DEAD_BY_HEADER,
+    REASON_HEADER, SUBMITTER_HEADER,
 };
-use vq_common::topology::{job_event_key, Topology, ALL_AGENT_EVENTS, LOSSES_HEADER, POOL_HEADER};
+use vq_common::topology::{
+    job_event_key, Topology, ALL_AGENT_EVENTS, CLAIM_HEADER, LOSSES_HEADER, POOL_HEADER,
+};
 
 use crate::observe::{AgentRecord, DemandMap};
 
@@ -534,6 +536,28 @@ impl Broker {
                 .await?;
                 continue;
             }
+            if let Some(claim) = header_str(&d.properties, CLAIM_HEADER) {
+                // Only a copy whose claim marker names it is the job's
+                // claim; any other is a copy the agent made while a
+                // connection was lost, of a job that is elsewhere.
+                let id = lease_job_id(&d).unwrap_or_default();
+                let marker_ch = self.fresh_channel().await?;
+                let marker =
+                    amqp::claim_marker(&marker_ch, &self.topo, &id, agent, &claim, false).await;
+                let _ =
+                    tokio::time::timeout(OP_TIMEOUT, marker_ch.close(200, "looked".into())).await;
+                if vq_common::lease::leftover(marker?) == vq_common::lease::Leftover::Discard {
+                    tracing::info!(agent, job_id = %id, "lease copy of a claim that never held the job: dropped");
+                    bounded("ack a lease", OP_TIMEOUT, async {
+                        d.acker
+                            .ack(BasicAckOptions::default())
+                            .await
+                            .map_err(op_err("ack lease"))
+                    })
+                    .await?;
+                    continue;
+                }
+            }
             let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
             let decoded = Job::decode(&d.data);
             let job_id = match &decoded {
@@ -558,6 +582,11 @@ impl Broker {
             let blocked = || self.blocked().is_some();
             match lease_fate(decoded.as_ref().ok(), agent, losses, loss_limit) {
                 LeaseFate::Requeue { pool } => {
+                    // The job's claim marker goes first, or the requeued
+                    // copy would be taken for a copy of a claimed job. A
+                    // not-rerunnable job's marker stays (until its TTL), so
+                    // that a stray copy of it never runs.
+                    self.delete_claim_marker(ch, &job_id).await?;
                     let mut props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
                     if let Some(u) = &submitter {
                         props = props.with_user_id(u.as_str().into());
@@ -591,25 +620,24 @@ impl Broker {
                     )
                     .await?;
                     if let Ok(job) = &decoded {
-                        let event = JobEvent {
-                            schema: SCHEMA_VERSION,
-                            job_id: job.id.clone(),
-                            job_name: job.name.clone(),
-                            owner: job.owner.clone(),
-                            pool: job.pool.clone(),
-                            agent: agent.to_string(),
-                            submitter: header_str(&d.properties, SUBMITTER_HEADER),
-                            at: unix_now(),
-                            state: JobState::Failed {
+                        let submitter = header_str(&d.properties, SUBMITTER_HEADER);
+                        let mut event = JobEvent::about(
+                            Some(job),
+                            &job.id,
+                            &job.pool,
+                            agent,
+                            submitter.as_deref(),
+                            JobState::Failed {
                                 reason: reason.clone(),
                             },
-                        };
+                        );
+                        event.attempt = losses;
                         amqp::publish_confirmed_patiently(
                             ch,
                             &self.topo.events_exchange(),
                             &job_event_key(&job.pool, "failed"),
                             &event.encode(),
-                            amqp::json_properties::<JobEvent>(),
+                            amqp::event_properties(&event),
                             false,
                             confirm,
                             &blocked,
@@ -648,6 +676,22 @@ impl Broker {
             "agent fenced: lease queue emptied and deleted"
         );
         Ok(report)
+    }
+
+    /// Deletes the claim marker of job `job_id` (see `vq_common::lease`);
+    /// deleting a missing queue succeeds.
+    async fn delete_claim_marker(&self, ch: &Channel, job_id: &str) -> Result<(), AmqpError> {
+        if job_id.is_empty() {
+            return Ok(());
+        }
+        let marker = self.topo.claim_queue(job_id);
+        bounded("delete a claim marker", OP_TIMEOUT, async {
+            ch.queue_delete(marker.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .map_err(op_err("delete claim marker"))
+        })
+        .await?;
+        Ok(())
     }
 
     /// Job ids among `ids` with a final event (`finished`, `failed`,
@@ -772,43 +816,8 @@ pub struct FenceReport {
     pub failed: Vec<String>,
 }
 
-/// What happens to one job found in a fenced agent's lease queue.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LeaseFate {
-    /// Back to the queue of `pool` (rerunnable, under the loss limit).
-    Requeue {
-        /// The job's pool.
-        pool: String,
-    },
-    /// `job.failed` with `reason`, and dead-lettered.
-    Fail {
-        /// Why.
-        reason: String,
-    },
-}
-
-/// Decides the fate of a leased job (`None`: undecodable) whose agent
-/// `agent` was lost, this being loss number `losses`. Pure.
-pub fn lease_fate(job: Option<&Job>, agent: &str, losses: u32, loss_limit: u32) -> LeaseFate {
-    match job {
-        None => LeaseFate::Fail {
-            reason: format!("lease of lost agent {agent} cannot be decoded as a job"),
-        },
-        Some(j) if !j.rerunnable => LeaseFate::Fail {
-            reason: format!(
-                "node lost: agent {agent} died or its VM was deleted while the job ran; the job is not rerunnable (-r n)"
-            ),
-        },
-        Some(_) if losses >= loss_limit => LeaseFate::Fail {
-            reason: format!(
-                "node lost {losses} times while running the job (last: agent {agent}; limit {loss_limit}): not run again"
-            ),
-        },
-        Some(j) => LeaseFate::Requeue {
-            pool: j.pool.clone(),
-        },
-    }
-}
+/// The lease-fate rule, shared with the agent's own recovery.
+pub use vq_common::lease::{fate as lease_fate, LeaseFate};
 
 fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
     d.properties

@@ -365,6 +365,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     cluster: &self.cfg.cluster,
                     name: &pool,
                     cfg: &pool_cfg,
+                    loss_limit: self.cfg.loss_limit,
                 },
                 &planned.actions,
                 &self.cloud,

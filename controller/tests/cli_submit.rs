@@ -128,6 +128,8 @@ fn event(job: &Job, agent: &str, state: JobState) -> JobEvent {
         agent: agent.into(),
         submitter: None,
         at: vq_common::messages::unix_now(),
+        attempt: 1,
+        duplicate: None,
         state,
     }
 }

@@ -1,24 +1,40 @@
 //! One job from claim to release, with the lease protocol of DESIGN.md
-//! ("Leases"):
+//! ("Leases", "Unknown outcomes"). Every step is repeatable, and a step
+//! whose outcome is unknown (its reply or confirm was lost with the
+//! connection) is resolved by looking, never by assuming it failed:
 //!
-//! * **claim**: validate; copy the delivery into the agent's durable lease
-//!   queue `<c>.lease.<agent>` (publisher confirm); ack the pool delivery
-//!   and confirm the ack with a synchronous round trip on the same channel;
-//!   only then publish `job.started` and run it. The pool delivery is held
-//!   for seconds, never for the whole run, so `consumer_timeout` and the
-//!   quorum delivery limit do not matter for long jobs. If the ack cannot
-//!   be confirmed the broker redelivers the job: the claim is abandoned and
-//!   its lease copy removed, so the job never runs twice.
-//! * **release**: the result is stored on disk ([`crate::report::Outbox`]),
-//!   published with a confirm (across reconnects), then the job's message is
-//!   removed from the lease queue, then the stored result.
-//! * **recover** ([`scan_leases`], at every session start): lease messages
-//!   of jobs this process does not run are leftovers of a previous agent
-//!   process on this VM: a stored result is (re)published and the lease
-//!   removed; otherwise a rerunnable job is run again here with its loss
-//!   counter ([`LOSSES_HEADER`]) incremented, dead-lettered past the limit;
-//!   a non-rerunnable job gets `job.failed` "node lost" and is
-//!   dead-lettered.
+//! * **lease copy**: the delivery is copied into the agent's durable lease
+//!   queue `<c>.lease.<agent>` with a fresh claim id (`x-vq-claim`),
+//!   publisher confirm. Unknown → the session ends (so the broker surely
+//!   returns the unacked delivery to the pool) and the claim is abandoned;
+//!   a copy that did arrive has no marker and the next lease scan discards
+//!   it.
+//! * **claim marker** ([`crate::claim`]): the job's marker
+//!   `<c>.claim.<job id>` is declared with this claim's arguments, a
+//!   compare-and-set in the broker. Ours → the job is this agent's, whatever
+//!   becomes of the pool delivery. Another claim's → the delivery is a copy
+//!   of a job claimed elsewhere: dead-lettered with the reason (and, for a
+//!   first delivery, a duplicate report to its submitter), never run.
+//!   Unknown → the session ends and the declaration is repeated on the
+//!   next one, which pulls nothing until every claim is settled.
+//! * **ack** of the pool delivery, confirmed by a round trip on its
+//!   channel. Unknown → nothing to resolve: the marker makes the job ours;
+//!   a copy the broker returned to the pool is dead-lettered by whoever
+//!   receives it, and the marker is kept after the job ends so that a copy
+//!   arriving later still finds it ([`vq_common::lease::may_delete_marker`]).
+//! * **start and result**: `job.started` and the final event carry a stable
+//!   `message_id` ([`vq_common::messages::JobEvent::message_id`]); the
+//!   result is stored on disk ([`crate::report::Outbox`]) and published
+//!   until confirmed; a retransmission after an unknown outcome is
+//!   deduplicated by consumers.
+//! * **release**: the marker is deleted (when allowed), then the lease copy
+//!   removed, then the stored result.
+//! * **recover** ([`scan_leases`], at every session start): a lease copy no
+//!   running claim holds is recovered only if the job's marker names its
+//!   claim (a leftover of an earlier process on this VM): a stored result
+//!   is (re)published; otherwise [`vq_common::lease::fate`] with the
+//!   configured `loss_limit` decides: run again here, or `job.failed`
+//!   "node lost" and dead-lettered. Any other copy is discarded.
 //!
 //! Refused jobs (malformed, invalid) get `job.failed` with the reason and
 //! are dead-lettered at once; the pool delivery is acked after both are
@@ -34,16 +50,20 @@ use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
-use vq_common::amqp::{bounded, json_properties, AmqpError};
-use vq_common::messages::{DecodeError, Job, JobEvent, JobState, Message, Outcome, Usage};
-use vq_common::topology::{job_event_key, DEFAULT_LOSS_LIMIT, LOSSES_HEADER};
+use vq_common::amqp::{bounded, event_properties, json_properties, AmqpError};
+use vq_common::lease::{fate, leftover, may_delete_marker, LeaseFate, Leftover, Marker};
+use vq_common::messages::{
+    fingerprint, DecodeError, Job, JobEvent, JobState, Message, Outcome, Usage,
+};
+use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 
 use crate::error::{chain, Rejection};
 use crate::plan::{plan_job, LaunchPlan};
 use crate::report::{
-    dead_letter_properties, header_str, header_u32, job_event, lease_properties, with_header_u32,
-    SUBMITTER_HEADER,
+    dead_letter_properties, header_str, header_u32, job_event, lease_properties, with_header_str,
+    with_header_u32, SUBMITTER_HEADER,
 };
+use crate::state::Owned;
 use crate::Ctx;
 
 /// Bound on one `basic.ack` plus its confirming round trip.
@@ -55,9 +75,6 @@ const LEASE_OP_TIMEOUT: Duration = Duration::from_secs(15);
 /// Most messages a lease scan reads (a lease queue holds at most `slots`
 /// jobs; more means leftovers of earlier processes).
 const MAX_SCAN: usize = 4096;
-
-/// Losses after which a job is dead-lettered instead of run again.
-pub(crate) const LOSS_LIMIT: u32 = DEFAULT_LOSS_LIMIT;
 
 /// The agent's lease queue and the channel to read it (set by the session
 /// loop, `None` while disconnected). One lease operation at a time: a scan
@@ -113,13 +130,19 @@ impl Leases {
             })
     }
 
-    /// Removes the lease message of job `key`: reads up to `limit`
+    /// Removes the lease message of job `key` and claim `claim` (a copy
+    /// without a claim id matches by job id alone): reads up to `limit`
     /// messages, acks the match, requeues the others, and confirms with a
     /// round trip. `Ok(false)` if no message matched.
     ///
     /// # Errors
     /// [`AmqpError`] if the broker is gone or an operation times out.
-    pub(crate) async fn remove(&self, key: &str, limit: usize) -> Result<bool, AmqpError> {
+    pub(crate) async fn remove(
+        &self,
+        key: &str,
+        claim: Option<&str>,
+        limit: usize,
+    ) -> Result<bool, AmqpError> {
         let _guard = self.lock.lock().await;
         let ch = self.current()?;
         bounded("release lease", LEASE_OP_TIMEOUT, async {
@@ -137,7 +160,12 @@ impl Leases {
                     break;
                 };
                 let d = m.delivery;
-                if message_key(&d).as_deref() == Some(key) {
+                let copy_claim = header_str(&d.properties, CLAIM_HEADER);
+                let same_claim = match (claim, copy_claim.as_deref()) {
+                    (Some(want), Some(have)) => want == have,
+                    _ => true,
+                };
+                if message_key(&d).as_deref() == Some(key) && same_claim {
                     d.acker
                         .ack(BasicAckOptions::default())
                         .await
@@ -207,14 +235,34 @@ async fn ack_confirmed(acker: &Acker, ch: &Channel, queue: &str) -> Result<(), A
     .await
 }
 
-/// Handles one claimed pool delivery to the end (refuse, or lease, run,
-/// report, release).
+/// A claimed job on its way from claim to release: the pieces every step
+/// needs, in one value.
+struct Ticket {
+    /// Job id.
+    key: String,
+    job: Job,
+    /// The job's message as delivered (body and properties), dead-lettered
+    /// if the job cannot end normally.
+    body: Vec<u8>,
+    props: BasicProperties,
+    /// The submitter the job was judged by.
+    submitter: Option<String>,
+    cancel: CancellationToken,
+    /// The claim id (`x-vq-claim`, the marker's argument).
+    claim: String,
+    /// Losses to lost nodes before this execution.
+    losses: u32,
+}
+
+/// Handles one claimed pool delivery to the end (refuse, or lease, mark,
+/// ack, run, report, release).
 pub(crate) async fn handle_delivery(
     ctx: Arc<Ctx>,
     delivery: Delivery,
     decoded: Result<Job, DecodeError>,
     key: String,
     cancel: CancellationToken,
+    claim: String,
     jobs_ch: Channel,
 ) {
     let span = tracing::info_span!("job", pool = %ctx.cfg.pool, job_id = %key);
@@ -228,21 +276,17 @@ pub(crate) async fn handle_delivery(
             Ok(job) => match plan_job(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys) {
                 Err(rej) => Some((Some(job), rej)),
                 Ok(plan) => {
-                    let mut cancellers = vec![job.owner.clone()];
-                    cancellers.extend(submitter.clone());
-                    ctx.shared.set_cancellers(&key, cancellers);
-                    claim_and_run(
-                        &ctx,
-                        &delivery,
-                        &job,
-                        plan,
+                    let ticket = Ticket {
+                        key: key.clone(),
+                        job,
+                        body: delivery.data.clone(),
+                        props: delivery.properties.clone(),
+                        submitter,
                         cancel,
-                        &key,
-                        &jobs_ch,
-                        &pool_queue,
-                        submitter.as_deref(),
-                    )
-                    .await;
+                        claim,
+                        losses: header_u32(&delivery.properties, LOSSES_HEADER),
+                    };
+                    claim_and_run(&ctx, &delivery, ticket, plan, &jobs_ch, &pool_queue).await;
                     None
                 }
             },
@@ -268,21 +312,47 @@ pub(crate) async fn handle_delivery(
     .await;
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Ends the current broker session because an outcome is unknown: the
+/// broker then returns every unacked delivery of it to its queue, and the
+/// next session resolves what is pending before it pulls.
+fn end_session(ctx: &Ctx, why: &str) {
+    warn!(
+        why,
+        "ending the broker session: an outcome is unknown and is resolved on the next session"
+    );
+    ctx.restart_session
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    ctx.shared.pull_changed.notify_one();
+}
+
+/// Waits for the session after `generation` (or for the agent's stop);
+/// returns the new generation, `None` when stopping.
+async fn next_session(ctx: &Ctx, generation: u64) -> Option<u64> {
+    let mut rx = ctx.session.subscribe();
+    let r = rx.wait_for(|g| *g > generation).await.ok().map(|g| *g);
+    r
+}
+
 async fn claim_and_run(
     ctx: &Arc<Ctx>,
     delivery: &Delivery,
-    job: &Job,
+    ticket: Ticket,
     plan: LaunchPlan,
-    cancel: CancellationToken,
-    key: &str,
     jobs_ch: &Channel,
     pool_queue: &str,
-    submitter: Option<&str>,
 ) {
-    // The lease records the submitter this job was judged by, so that a
-    // recovery on this VM judges it the same way.
-    let props = lease_properties(&delivery.properties, key, submitter);
+    let key = ticket.key.clone();
+    let generation = *ctx.session.borrow();
+    let mut cancellers = vec![ticket.job.owner.clone()];
+    cancellers.extend(ticket.submitter.clone());
+    ctx.shared.set_cancellers(&key, cancellers);
+    // 1. The lease copy. It records the claim and the submitter this job
+    // was judged by, so that a recovery on this VM judges it the same way.
+    let props = with_header_str(
+        lease_properties(&delivery.properties, &key, ticket.submitter.as_deref()),
+        CLAIM_HEADER,
+        &ticket.claim,
+    );
     if let Err(e) = ctx
         .publisher
         .publish_once_mandatory("", ctx.leases.queue(), &delivery.data, props, true)
@@ -296,25 +366,70 @@ async fn claim_and_run(
             ctx.lease_queue_gone
                 .store(true, std::sync::atomic::Ordering::SeqCst);
             ctx.shared.pull_changed.notify_one();
+            requeue_acker(&delivery.acker).await;
         } else {
-            warn!(error = %chain(&e), "cannot copy the job into the lease queue; returning it to the pool");
+            // Unknown: the copy may have arrived. Without a marker it is
+            // discarded by the next lease scan; the delivery goes back to
+            // the pool when this session ends.
+            warn!(error = %chain(&e), "lease copy not confirmed: abandoning the claim");
+            end_session(ctx, "lease copy not confirmed");
         }
-        requeue_acker(&delivery.acker).await;
-        ctx.shared.release(key);
+        ctx.shared.release(&key);
         return;
     }
-    if let Err(e) = ack_confirmed(&delivery.acker, jobs_ch, pool_queue).await {
-        warn!(error = %chain(&e), "pool ack not confirmed: the broker redelivers the job; abandoning this claim");
-        match ctx.leases.remove(key, ctx.cfg.slots as usize + 16).await {
-            Ok(_) => {}
-            Err(_) => ctx.shared.drop_lease_later(key),
+    // 2. The claim marker, repeated across sessions until its outcome is
+    // known.
+    let mut same_session = true;
+    let marker = loop {
+        match ctx.markers.claim(&key, &ticket.claim).await {
+            Ok(m) => break m,
+            Err(e) => {
+                warn!(error = %chain(&e), "claim marker not confirmed: declaring it again on the next session");
+                end_session(ctx, "claim marker not confirmed");
+                same_session = false;
+                if next_session(ctx, generation).await.is_none() {
+                    // Stopping: the marker (if made) names this agent; the
+                    // lease copy is recovered at the next start.
+                    ctx.shared.release(&key);
+                    return;
+                }
+            }
         }
-        ctx.shared.release(key);
+    };
+    if marker != Marker::Ours {
+        info!("the job is claimed elsewhere: this delivery is a copy");
+        if same_session {
+            handle_copy(ctx, delivery, &key, jobs_ch, true).await;
+        }
+        if let Err(e) = ctx
+            .leases
+            .remove(&key, Some(&ticket.claim), ctx.cfg.slots as usize + 16)
+            .await
+        {
+            debug!(error = %chain(&e), "lease copy of a copy not removed now; the next scan discards it");
+        }
+        ctx.shared.release(&key);
         return;
     }
-    debug!("claimed: leased and acked");
-    let orig = (&delivery.data[..], &delivery.properties);
-    run_and_release(ctx, job, plan, cancel, key, submitter, orig).await;
+    // 3. The ack. Its outcome does not decide ownership (the marker did);
+    // it decides whether the marker may go when the job ends.
+    let ack_ok = same_session
+        && match ack_confirmed(&delivery.acker, jobs_ch, pool_queue).await {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(error = %chain(&e), "pool ack not confirmed: the job is ours (claim marker); a copy the broker may return is dead-lettered where it lands");
+                false
+            }
+        };
+    ctx.shared.set_owned(
+        &key,
+        Owned {
+            losses: ticket.losses,
+            ack_confirmed: ack_ok,
+        },
+    );
+    debug!("claimed: leased, marked and acked");
+    run_and_release(ctx, ticket, plan).await;
 }
 
 /// The submitter a delivery is judged by (see
@@ -363,8 +478,9 @@ async fn dead_letter(ctx: &Ctx, body: &[u8], props: &BasicProperties, reason: &s
         .await;
 }
 
-/// Stores `event` in the outbox, publishes it until confirmed, marks it
-/// sent. The caller removes the lease, then the stored result.
+/// Stores `event` in the outbox, publishes it until confirmed (with its
+/// stable `message_id`), marks it sent. The caller removes the lease, then
+/// the stored result.
 async fn publish_result(ctx: &Ctx, key: &str, event: &JobEvent) {
     let rk = job_event_key(&ctx.cfg.pool, event.state.routing_word());
     let body = event.encode();
@@ -376,7 +492,7 @@ async fn publish_result(ctx: &Ctx, key: &str, event: &JobEvent) {
             &ctx.topo.events_exchange(),
             &rk,
             &body,
-            json_properties::<JobEvent>(),
+            event_properties(event),
         )
         .await;
     if let Err(e) = ctx.outbox.mark_sent(key) {
@@ -384,10 +500,22 @@ async fn publish_result(ctx: &Ctx, key: &str, event: &JobEvent) {
     }
 }
 
-/// Removes the lease of `key` and its stored result; if the broker is
-/// gone, the next lease scan removes it.
-async fn release_lease(ctx: &Ctx, key: &str) {
-    match ctx.leases.remove(key, ctx.cfg.slots as usize + 16).await {
+/// Releases a job whose result is confirmed: removes its lease copy, then
+/// deletes its claim marker when no copy of the job can be queued (else the
+/// marker expires later), then its stored result. What cannot be done now
+/// is done by the next lease scan (a copy whose marker is ours is recovered
+/// from the stored result) or by the marker's expiry.
+async fn release_lease(ctx: &Ctx, key: &str, claim: &str, owned: Option<&Owned>) {
+    let removed = ctx
+        .leases
+        .remove(key, Some(claim), ctx.cfg.slots as usize + 16)
+        .await;
+    if removed.is_ok() && owned.is_some_and(|o| may_delete_marker(o.ack_confirmed, o.losses)) {
+        if let Err(e) = ctx.markers.delete(key).await {
+            warn!(error = %chain(&e), "cannot delete the claim marker now; it expires by itself");
+        }
+    }
+    match removed {
         Ok(true) => {
             ctx.outbox.remove(key);
             debug!("lease released");
@@ -397,53 +525,51 @@ async fn release_lease(ctx: &Ctx, key: &str) {
             ctx.outbox.remove(key);
         }
         Err(e) => {
-            warn!(error = %chain(&e), "cannot release the lease now; it is removed after reconnecting");
-            ctx.shared.drop_lease_later(key);
+            warn!(error = %chain(&e), "cannot release the lease now; the next lease scan does");
         }
     }
 }
 
-/// Runs a claimed job and reports it. `orig` is the job's message (body and
-/// properties), dead-lettered if the job cannot end normally.
-async fn run_and_release(
-    ctx: &Arc<Ctx>,
-    job: &Job,
-    plan: LaunchPlan,
-    cancel: CancellationToken,
-    key: &str,
-    submitter: Option<&str>,
-    orig: (&[u8], &BasicProperties),
-) {
+/// Runs a claimed (owned) job and reports it.
+async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
     let pool = ctx.cfg.pool.clone();
-    let started_event = job_event(
-        Some(job),
-        key,
-        &pool,
-        &ctx.agent,
-        submitter,
-        JobState::Started,
-    );
+    let attempt = t.losses.saturating_add(1);
+    let event = |state: JobState| {
+        let mut e = job_event(
+            Some(&t.job),
+            &t.key,
+            &pool,
+            &ctx.agent,
+            t.submitter.as_deref(),
+            state,
+        );
+        e.attempt = attempt;
+        e
+    };
+    let started_event = event(JobState::Started);
     // Published while the job runs: a broker outage must not delay the job.
     let started_pub = {
         let ctx = ctx.clone();
         tokio::spawn(async move {
             ctx.publisher
-                .publish_message_reliably(
+                .publish_reliably(
                     &ctx.topo.events_exchange(),
                     &job_event_key(&ctx.cfg.pool, "started"),
-                    &started_event,
+                    &started_event.encode(),
+                    event_properties(&started_event),
                 )
                 .await;
         })
     };
-    info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), "job starting");
-    let (outcome, usage) = execute(ctx, key, &plan, cancel).await;
+    info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), attempt, "job starting");
+    let (outcome, usage) = execute(ctx, &t.key, &plan, t.cancel.clone()).await;
     info!(outcome = ?outcome, exit_status = outcome.exit_status(), wall_secs = usage.wall_secs, "job ended");
     let _ = started_pub.await;
-    if ctx.shared.take_interrupted(key) {
-        if job.rerunnable {
+    let owned = ctx.shared.owned(&t.key);
+    if ctx.shared.take_interrupted(&t.key) {
+        if t.job.rerunnable {
             info!("stopped by the agent's shutdown: no result; the lease stays and the job is run again (rerunnable)");
-            ctx.shared.release(key);
+            ctx.shared.release(&t.key);
             return;
         }
         // At most once: never run again, and kept in the dead-letter queue
@@ -453,19 +579,17 @@ async fn run_and_release(
             reason,
             "stopped by the agent's shutdown: reported failed and dead-lettered"
         );
-        dead_letter(ctx, orig.0, orig.1, reason).await;
-        let state = JobState::Failed {
+        dead_letter(ctx, &t.body, &t.props, reason).await;
+        let e = event(JobState::Failed {
             reason: reason.into(),
-        };
-        let event = job_event(Some(job), key, &pool, &ctx.agent, submitter, state);
-        publish_result(ctx, key, &event).await;
+        });
+        publish_result(ctx, &t.key, &e).await;
     } else {
-        let state = JobState::Finished { outcome, usage };
-        let event = job_event(Some(job), key, &pool, &ctx.agent, submitter, state);
-        publish_result(ctx, key, &event).await;
+        let e = event(JobState::Finished { outcome, usage });
+        publish_result(ctx, &t.key, &e).await;
     }
-    release_lease(ctx, key).await;
-    ctx.shared.release(key);
+    release_lease(ctx, &t.key, &t.claim, owned.as_ref()).await;
+    ctx.shared.release(&t.key);
 }
 
 /// Spawns the job of `plan` and supervises it to its outcome.
@@ -483,8 +607,8 @@ async fn execute(
 }
 
 /// Scans the lease queue at the start of a session (see the module doc).
-/// Leases of jobs running here are kept; leases whose removal was pending
-/// are removed; leftovers of a previous process are recovered.
+/// Copies of claims this process holds are kept; a copy no claim holds is
+/// recovered if the job's marker names its claim, and discarded otherwise.
 ///
 /// # Errors
 /// [`AmqpError`]: the session ends and the scan is repeated on the next.
@@ -512,17 +636,28 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
     for d in held {
         let key = message_key(&d)
             .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple()));
-        if ctx.shared.take_drop_lease(&key) {
-            ack_lease(&d).await?;
-            ctx.outbox.remove(&key);
-            debug!(job_id = %key, "pending lease removal done");
-            continue;
-        }
-        if ctx.shared.is_claimed(&key) {
+        let claim = header_str(&d.properties, CLAIM_HEADER);
+        let running = ctx.shared.claim_id(&key);
+        if running.is_some() && (claim.is_none() || claim == running) {
             keep.push(d);
             continue;
         }
-        recover_one(ctx, &d, &key).await?;
+        // A copy without a claim id predates claim markers: it was this
+        // agent's claim.
+        let marker = match &claim {
+            Some(c) => ctx.markers.look(&key, c).await?,
+            None => Marker::Ours,
+        };
+        match leftover(marker) {
+            Leftover::Discard => {
+                info!(job_id = %key, marker = ?marker, "lease copy of a claim that never held the job (a connection was lost while claiming): discarded");
+                ack_lease(&d).await?;
+            }
+            Leftover::Recover => {
+                let claim = claim.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+                recover_one(ctx, &d, &key, &claim).await?;
+            }
+        }
     }
     for d in keep {
         requeue_acker(&d.acker).await;
@@ -555,19 +690,34 @@ async fn ack_lease(d: &Delivery) -> Result<(), AmqpError> {
     Ok(())
 }
 
+/// Publishes a stored result once, with the `message_id` of the event it
+/// holds.
 async fn publish_stored(ctx: &Ctx, st: &crate::report::Stored) -> Result<(), AmqpError> {
+    let props = match JobEvent::decode(&st.body) {
+        Ok(e) => event_properties(&e),
+        Err(_) => json_properties::<JobEvent>(),
+    };
     ctx.publisher
         .publish_once(
             &ctx.topo.events_exchange(),
             &st.routing_key,
             &st.body,
-            json_properties::<JobEvent>(),
+            props,
         )
         .await
 }
 
-/// Recovers one leftover lease of a previous agent process on this VM.
-async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), AmqpError> {
+/// Recovers one leftover lease of a previous agent process on this VM (its
+/// marker is ours): a stored result is republished; otherwise the job's
+/// fate ([`vq_common::lease::fate`] with the configured `loss_limit`) is to
+/// fail ("node lost", dead-lettered, marker kept) or to run again here
+/// under the same claim.
+async fn recover_one(
+    ctx: &Arc<Ctx>,
+    d: &Delivery,
+    key: &str,
+    claim: &str,
+) -> Result<(), AmqpError> {
     let span = tracing::info_span!("recover", pool = %ctx.cfg.pool, job_id = %key);
     let _e = span.enter();
     if let Some(st) = ctx.outbox.load(key) {
@@ -580,96 +730,108 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
         return Ok(());
     }
     let pool = ctx.cfg.pool.clone();
-    let job = match Job::decode(&d.data) {
-        Ok(j) => j,
-        Err(e) => {
-            let reason = format!("lease message cannot be decoded: {}", chain(&e));
-            warn!(reason = %reason, "dead-lettering a leftover lease");
-            dead_letter_now(ctx, d, &reason).await?;
-            ack_lease(d).await?;
-            return Ok(());
-        }
-    };
+    let decoded = Job::decode(&d.data);
     let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
-    let final_reason = if !job.rerunnable {
-        Some(format!(
-            "node lost: the agent restarted while the job ran (loss {losses}); the job is not rerunnable (-r n)"
-        ))
-    } else if losses >= LOSS_LIMIT {
-        Some(format!(
-            "node lost {losses} times while running the job (limit {LOSS_LIMIT}): not run again"
-        ))
-    } else {
-        None
-    };
-    if let Some(reason) = final_reason {
-        warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
-        let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-        dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
-        let submitter = header_str(&d.properties, SUBMITTER_HEADER);
-        let event = job_event(
-            Some(&job),
-            key,
-            &pool,
-            &ctx.agent,
-            submitter.as_deref(),
-            JobState::Failed { reason },
-        );
-        let rk = job_event_key(&pool, "failed");
-        ctx.publisher
-            .publish_once(
-                &ctx.topo.events_exchange(),
-                &rk,
-                &event.encode(),
-                json_properties::<JobEvent>(),
-            )
-            .await?;
-        ack_lease(d).await?;
-        return Ok(());
-    }
-    // Rerunnable, under the limit: run it again here, with the counter
-    // incremented in a fresh lease copy.
-    let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-    ctx.publisher
-        .publish_once_mandatory("", ctx.leases.queue(), &d.data, props.clone(), true)
-        .await?;
-    ack_lease(d).await?;
-    let Some(cancel) = ctx.shared.claim_recovered(key) else {
-        return Ok(());
-    };
-    info!(
-        losses,
-        "leftover lease of a rerunnable job: running it again"
-    );
     let submitter = header_str(&d.properties, SUBMITTER_HEADER);
-    let ctx2 = ctx.clone();
-    let key = key.to_string();
-    let body = d.data.clone();
-    tokio::spawn(
-        async move {
-            match plan_job(&job, submitter.as_deref(), &ctx2.cfg, &ctx2.sys) {
-                Ok(plan) => {
-                    let mut cancellers = vec![job.owner.clone()];
-                    cancellers.extend(submitter.clone());
-                    ctx2.shared.set_cancellers(&key, cancellers);
-                    let orig = (&body[..], &props);
-                    run_and_release(&ctx2, &job, plan, cancel, &key, submitter.as_deref(), orig)
-                        .await
-                }
-                Err(rej) => {
-                    refuse(&ctx2, &body, &props, Some(&job), &key, &rej).await;
-                    release_lease(&ctx2, &key).await;
-                    ctx2.shared.release(&key);
-                }
-            }
+    match fate(
+        decoded.as_ref().ok(),
+        &ctx.agent,
+        losses,
+        ctx.cfg.loss_limit,
+    ) {
+        LeaseFate::Fail { reason } => {
+            warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
+            let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
+            dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
+            let mut event = job_event(
+                decoded.as_ref().ok(),
+                key,
+                &pool,
+                &ctx.agent,
+                submitter.as_deref(),
+                JobState::Failed { reason },
+            );
+            event.attempt = losses;
+            let rk = job_event_key(&pool, "failed");
+            ctx.publisher
+                .publish_once(
+                    &ctx.topo.events_exchange(),
+                    &rk,
+                    &event.encode(),
+                    event_properties(&event),
+                )
+                .await?;
+            ack_lease(d).await?;
+            Ok(())
         }
-        .instrument(span.clone()),
-    );
-    Ok(())
-}
-
-async fn dead_letter_now(ctx: &Ctx, d: &Delivery, reason: &str) -> Result<(), AmqpError> {
-    dead_letter_now_props(ctx, &d.data, &d.properties, reason).await
+        LeaseFate::Requeue { .. } => {
+            let Ok(job) = decoded else {
+                return Ok(());
+            };
+            // Run it again here, with the counter incremented in a fresh
+            // lease copy of the same claim (the marker stays ours).
+            let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
+            ctx.publisher
+                .publish_once_mandatory("", ctx.leases.queue(), &d.data, props.clone(), true)
+                .await?;
+            ack_lease(d).await?;
+            let owned = Owned {
+                losses,
+                ack_confirmed: false,
+            };
+            let Some(cancel) = ctx.shared.claim_recovered(key, claim, owned) else {
+                return Ok(());
+            };
+            info!(
+                losses,
+                "leftover lease of a rerunnable job: running it again"
+            );
+            let ctx2 = ctx.clone();
+            let ticket = Ticket {
+                key: key.to_string(),
+                job,
+                body: d.data.clone(),
+                props,
+                submitter,
+                cancel,
+                claim: claim.to_string(),
+                losses,
+            };
+            tokio::spawn(
+                async move {
+                    match plan_job(
+                        &ticket.job,
+                        ticket.submitter.as_deref(),
+                        &ctx2.cfg,
+                        &ctx2.sys,
+                    ) {
+                        Ok(plan) => {
+                            let mut cancellers = vec![ticket.job.owner.clone()];
+                            cancellers.extend(ticket.submitter.clone());
+                            ctx2.shared.set_cancellers(&ticket.key, cancellers);
+                            run_and_release(&ctx2, ticket, plan).await
+                        }
+                        Err(rej) => {
+                            refuse(
+                                &ctx2,
+                                &ticket.body,
+                                &ticket.props,
+                                Some(&ticket.job),
+                                &ticket.key,
+                                &rej,
+                            )
+                            .await;
+                            let owned = ctx2.shared.owned(&ticket.key);
+                            release_lease(&ctx2, &ticket.key, &ticket.claim, owned.as_ref()).await;
+                            ctx2.shared.release(&ticket.key);
+                        }
+                    }
+                }
+                .instrument(span.clone()),
+            );
+            Ok(())
+        }
+    }
 }
 
 async fn dead_letter_now_props(
@@ -684,22 +846,64 @@ async fn dead_letter_now_props(
         .await
 }
 
-/// Dead-letters a duplicate delivery of a job that runs here (its lease is
-/// held here) and acks it, without a job event: the running copy reports.
+/// Dead-letters a delivery of a job that is claimed already (here, or by
+/// another agent: `elsewhere`) and acks it, never running it. A first
+/// delivery (`redelivered` false) is a second message that reused the id,
+/// so its submitter is told with a `failed` event marked
+/// [`JobEvent::duplicate`]; a redelivered one may be the broker returning
+/// a copy of the claimed job after a lost connection, which reports on its
+/// own, so only the dead letter's reason tells.
+async fn handle_copy(
+    ctx: &Ctx,
+    delivery: &Delivery,
+    key: &str,
+    jobs_ch: &Channel,
+    elsewhere: bool,
+) {
+    let whose = if elsewhere {
+        "another agent".to_string()
+    } else {
+        format!("agent {} (this one)", ctx.agent)
+    };
+    let reason = if delivery.redelivered {
+        format!("a copy of job {key}, which {whose} has claimed already (a redelivery after a lost connection, or a duplicate submission): not run")
+    } else {
+        format!("duplicate job id: job {key} was claimed already by {whose}; this second message with the same id was not run")
+    };
+    warn!(pool = %ctx.cfg.pool, job_id = %key, "{reason}");
+    dead_letter(ctx, &delivery.data, &delivery.properties, &reason).await;
+    if !delivery.redelivered {
+        let submitter = judged_submitter(ctx, &delivery.properties);
+        let mut event = job_event(
+            Job::decode(&delivery.data).ok().as_ref(),
+            key,
+            &ctx.cfg.pool,
+            &ctx.agent,
+            submitter.as_deref(),
+            JobState::Failed { reason },
+        );
+        event.duplicate = Some(fingerprint(&delivery.data));
+        ctx.publisher
+            .publish_reliably(
+                &ctx.topo.events_exchange(),
+                &job_event_key(&ctx.cfg.pool, "failed"),
+                &event.encode(),
+                event_properties(&event),
+            )
+            .await;
+    }
+    let q = ctx.topo.pool_queue(&ctx.cfg.pool);
+    if let Err(e) = ack_confirmed(&delivery.acker, jobs_ch, &q).await {
+        warn!(job_id = %key, error = %chain(&e), "ack of a copy not confirmed");
+    }
+}
+
+/// Handles a delivery of a job claimed here already (see [`handle_copy`]).
 pub(crate) async fn drop_duplicate(
     ctx: Arc<Ctx>,
     delivery: Delivery,
     key: String,
     jobs_ch: Channel,
 ) {
-    let reason = format!(
-        "duplicate delivery of job {key}, which runs on agent {} already",
-        ctx.agent
-    );
-    warn!(pool = %ctx.cfg.pool, job_id = %key, "{reason}");
-    dead_letter(&ctx, &delivery.data, &delivery.properties, &reason).await;
-    let q = ctx.topo.pool_queue(&ctx.cfg.pool);
-    if let Err(e) = ack_confirmed(&delivery.acker, &jobs_ch, &q).await {
-        warn!(job_id = %key, error = %chain(&e), "ack of a duplicate not confirmed");
-    }
+    handle_copy(&ctx, &delivery, &key, &jobs_ch, false).await;
 }

@@ -21,6 +21,7 @@ use tracing::{info, warn};
 use vq_common::config::AgentConfig;
 use vq_common::topology::Topology;
 
+mod claim;
 mod consume;
 pub mod error;
 mod heartbeat;
@@ -68,6 +69,14 @@ pub(crate) struct Ctx {
     pub(crate) shared: state::Shared,
     pub(crate) publisher: report::Publisher,
     pub(crate) leases: consume::Leases,
+    /// Claim markers (who owns a job), on the consuming connection.
+    pub(crate) markers: claim::Markers,
+    /// Generation of the broker session, raised each time a session's
+    /// channels are up; a claim whose outcome is unknown waits for the next.
+    pub(crate) session: watch::Sender<u64>,
+    /// Set when an outcome is unknown: the session ends (so the broker
+    /// returns its unacked deliveries) and the next one resolves it.
+    pub(crate) restart_session: std::sync::atomic::AtomicBool,
     pub(crate) outbox: report::Outbox,
     pub(crate) sys: sys::HostSys,
     /// Whether this process has put its id into the agent registry
@@ -104,6 +113,7 @@ pub async fn run(
     supervise::prepare_host(&cfg);
     let (channel_tx, channel_rx) = watch::channel(None);
     let (lease_tx, lease_rx) = watch::channel(None);
+    let (conn_tx, conn_rx) = watch::channel(None);
     let (blocked_tx, blocked_rx) = watch::channel(false);
     let blocked_tx = Arc::new(blocked_tx);
     let outbox = report::Outbox::open(&cfg.state_dir).map_err(|source| AgentError::StateDir {
@@ -116,6 +126,9 @@ pub async fn run(
         .unwrap_or_default();
     let ctx = Arc::new(Ctx {
         leases: consume::Leases::new(topo.lease_queue(&cfg.agent_id), lease_rx),
+        markers: claim::Markers::new(topo.clone(), cfg.agent_id.clone(), conn_rx),
+        session: watch::channel(0).0,
+        restart_session: std::sync::atomic::AtomicBool::new(false),
         outbox,
         topo,
         agent: cfg.agent_id.clone(),
@@ -140,11 +153,13 @@ pub async fn run(
         session::Links {
             channel_tx,
             lease_tx,
+            conn_tx,
             blocked_tx,
         },
         stop.clone(),
     ));
     let hb_task = tokio::spawn(heartbeat::heartbeat_loop(ctx.clone(), stop.clone()));
+    let refresh_task = tokio::spawn(refresh_markers(ctx.clone(), stop.clone()));
 
     tokio::select! {
         _ = shutdown.drain.cancelled() => {}
@@ -181,7 +196,33 @@ pub async fn run(
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(10), conn_task).await;
     hb_task.abort();
+    refresh_task.abort();
     Ok(ended)
+}
+
+/// Declares the claim marker of every job running here again every
+/// [`vq_common::topology::CLAIM_REFRESH_SECS`], which restarts its expiry
+/// ([`vq_common::topology::CLAIM_TTL_MS`]), so that a days-long job keeps
+/// its marker.
+async fn refresh_markers(ctx: Arc<Ctx>, stop: CancellationToken) {
+    let period = Duration::from_secs(vq_common::topology::CLAIM_REFRESH_SECS);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stop.cancelled() => return,
+        }
+        for (job, claim) in ctx.shared.owned_claims() {
+            match ctx.markers.refresh(&job, &claim).await {
+                Ok(vq_common::lease::Marker::Ours) => {}
+                Ok(m) => {
+                    warn!(job_id = %job, marker = ?m, "the claim marker of a running job is not ours any more")
+                }
+                Err(e) => {
+                    warn!(job_id = %job, error = %error::chain(&e), "cannot refresh a claim marker now")
+                }
+            }
+        }
+    }
 }
 
 fn create_state_dir(dir: &std::path::Path) -> Result<(), AgentError> {

@@ -265,7 +265,16 @@ pub fn plan_job(
             ),
         });
     }
-    check_label("id", &job.id, 128)?;
+    check_label("id", &job.id, vq_common::messages::MAX_JOB_ID_BYTES)?;
+    if job.id.len() > vq_common::messages::MAX_JOB_ID_BYTES {
+        return Err(Rejection::BadField {
+            field: "id",
+            problem: format!(
+                "is longer than {} bytes",
+                vq_common::messages::MAX_JOB_ID_BYTES
+            ),
+        });
+    }
     check_label("name", &job.name, 236)?;
 
     let env = job_environment(job, &user.name, &user.home, &shell, &workdir, cfg)?;

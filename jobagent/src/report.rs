@@ -12,9 +12,7 @@ use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::warn;
 use vq_common::amqp::{json_properties, publish_confirmed_patiently, AmqpError};
-use vq_common::messages::{
-    unix_now, Job, JobEvent, JobState, Message, DEAD_BY_HEADER, REASON_HEADER,
-};
+use vq_common::messages::{Job, JobEvent, JobState, Message, DEAD_BY_HEADER, REASON_HEADER};
 
 pub use vq_common::messages::SUBMITTER_HEADER;
 
@@ -164,7 +162,8 @@ impl Publisher {
     }
 }
 
-/// A job event for `job` (or, for an undecodable body, for `job_id`).
+/// A job event for `job` (or, for an undecodable body, for `job_id`),
+/// attempt 1; see [`JobEvent::about`].
 pub fn job_event(
     job: Option<&Job>,
     job_id: &str,
@@ -173,17 +172,7 @@ pub fn job_event(
     submitter: Option<&str>,
     state: JobState,
 ) -> JobEvent {
-    JobEvent {
-        submitter: submitter.map(str::to_string),
-        schema: vq_common::messages::SCHEMA_VERSION,
-        job_id: job.map_or_else(|| job_id.to_string(), |j| j.id.clone()),
-        job_name: job.map(|j| j.name.clone()).unwrap_or_default(),
-        owner: job.map(|j| j.owner.clone()).unwrap_or_default(),
-        pool: pool.into(),
-        agent: agent.into(),
-        at: unix_now(),
-        state,
-    }
+    JobEvent::about(job, job_id, pool, agent, submitter, state)
 }
 
 /// Properties for dead-lettering a delivery: the original properties except
@@ -225,7 +214,7 @@ pub fn lease_properties(
         .with_message_id(job_id.into())
 }
 
-pub use vq_common::amqp::{header_str, header_u32, with_header_u32};
+pub use vq_common::amqp::{header_str, header_u32, with_header_str, with_header_u32};
 
 fn copied_properties(
     orig: &BasicProperties,
@@ -280,9 +269,11 @@ fn copied_properties(
 }
 
 /// Results waiting for their confirm and their lease release, one file per
-/// job in `<state_dir>/outbox`: `<hex id>.result` (not yet confirmed) or
-/// `<hex id>.sent` (confirmed, lease not yet released). The first line is
-/// the routing key, the rest the event body.
+/// job in `<state_dir>/outbox`: `<id>.result` (not yet confirmed) or
+/// `<id>.sent` (confirmed, lease not yet released), `<id>` being the job id
+/// in unpadded base64url (RFC 4648 §5), which keeps every accepted id (at
+/// most 128 bytes: 171 characters) within the 255-byte file-name limit. The
+/// first line is the routing key, the rest the event body.
 #[derive(Debug, Clone)]
 pub struct Outbox {
     dir: PathBuf,
@@ -299,19 +290,15 @@ pub struct Stored {
     pub sent: bool,
 }
 
-fn hex(s: &str) -> String {
-    s.bytes().map(|b| format!("{b:02x}")).collect()
+fn file_stem(job_id: &str) -> String {
+    data_encoding::BASE64URL_NOPAD.encode(job_id.as_bytes())
 }
 
-fn unhex(s: &str) -> Option<String> {
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> = (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect();
-    String::from_utf8(bytes?).ok()
+fn job_id_of(stem: &str) -> Option<String> {
+    let bytes = data_encoding::BASE64URL_NOPAD
+        .decode(stem.as_bytes())
+        .ok()?;
+    String::from_utf8(bytes).ok()
 }
 
 impl Outbox {
@@ -330,7 +317,7 @@ impl Outbox {
     }
 
     fn path(&self, job_id: &str, ext: &str) -> PathBuf {
-        self.dir.join(format!("{}.{ext}", hex(job_id)))
+        self.dir.join(format!("{}.{ext}", file_stem(job_id)))
     }
 
     /// Stores the result of `job_id` durably (write, fsync, rename).
@@ -390,7 +377,7 @@ impl Outbox {
                 let name = e.file_name().to_string_lossy().into_owned();
                 if let Some((stem, ext)) = name.rsplit_once('.') {
                     if ext == "sent" || ext == "result" {
-                        if let Some(id) = unhex(stem) {
+                        if let Some(id) = job_id_of(stem) {
                             out.push(id);
                         }
                     }
@@ -424,10 +411,15 @@ mod tests {
         assert!(ob.job_ids().is_empty());
     }
 
-    fn with_header_str(props: BasicProperties, name: &str, value: &str) -> BasicProperties {
-        let mut headers = props.headers().clone().unwrap_or_default();
-        headers.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
-        props.with_headers(headers)
+    #[test]
+    fn the_outbox_keeps_the_result_of_the_longest_accepted_job_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let ob = Outbox::open(dir.path()).unwrap();
+        let id = "j".repeat(vq_common::messages::MAX_JOB_ID_BYTES);
+        ob.store(&id, "job.p.finished", b"{}").unwrap();
+        assert!(ob.load(&id).is_some());
+        ob.mark_sent(&id).unwrap();
+        assert_eq!(ob.job_ids(), vec![id]);
     }
 
     #[test]

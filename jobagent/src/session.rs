@@ -72,6 +72,9 @@ pub(crate) struct Links {
     /// The lease channel on the consuming connection (`None` while
     /// disconnected).
     pub(crate) lease_tx: watch::Sender<Option<Channel>>,
+    /// The consuming connection, for claim markers (`None` while
+    /// disconnected).
+    pub(crate) conn_tx: watch::Sender<Option<Arc<Connection>>>,
     /// True while the broker blocks the publishing connection (set by a
     /// task that follows the connection's events from its first moment,
     /// so publishes before the session loop see it too).
@@ -82,6 +85,7 @@ impl Links {
     fn disconnected(&self) {
         self.channel_tx.send_replace(None);
         self.lease_tx.send_replace(None);
+        self.conn_tx.send_replace(None);
         self.blocked_tx.send_replace(false);
     }
 }
@@ -136,6 +140,7 @@ async fn session(
         _ = stop.cancelled() => return Ok(()),
     };
     let (conn, pub_conn) = conns;
+    let conn = Arc::new(conn);
     let result = run_session(ctx, &conn, &pub_conn, links, stop, backoff).await;
     links.disconnected();
     // A blocked publishing connection does not read our close: bounded.
@@ -151,7 +156,7 @@ async fn session(
 
 async fn run_session(
     ctx: &Arc<Ctx>,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     pub_conn: &Connection,
     links: &Links,
     stop: &CancellationToken,
@@ -244,8 +249,18 @@ async fn run_session(
 
     links.channel_tx.send_replace(Some(pub_ch.clone()));
     links.lease_tx.send_replace(Some(lease_ch.clone()));
+    links.conn_tx.send_replace(Some(conn.clone()));
+    ctx.restart_session
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    // Claims left unsettled by the previous session resolve now, on these
+    // channels; nothing is pulled before they have.
+    ctx.session.send_modify(|g| *g += 1);
     register(ctx, &pub_ch).await?;
     scan_leases(ctx).await?;
+    tokio::select! {
+        _ = ctx.shared.wait_settled() => {}
+        _ = stop.cancelled() => return Ok(()),
+    }
     backoff.reset();
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
     ctx.shared.heartbeat_now.notify_one();
@@ -262,6 +277,26 @@ async fn run_session(
             drop(follower);
             return Err(AgentError::Lost {
                 what: "lease queue (deleted, e.g. by a fence): declaring it again",
+            });
+        }
+        if ctx
+            .restart_session
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            drop(follower);
+            return Err(AgentError::Lost {
+                what: "an outcome (lost confirm or reply): resolving it on a new session",
+            });
+        }
+        // Pull only while the publishing side is up: a claim starts with a
+        // confirmed publish.
+        let can_publish = pub_conn.status().connected() && pub_ch.status().connected();
+        if !can_publish {
+            if let Some(c) = consumer.take() {
+                let _ = stop_consumer(ctx, &jobs_ch, c).await;
+            }
+            return Err(AgentError::Lost {
+                what: "publishing connection",
             });
         }
         if consumer.is_none() && ctx.shared.wants_pull() && !blocked {
@@ -522,12 +557,13 @@ async fn dispatch(
             .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple())),
     };
     match ctx.shared.claim(&key) {
-        Claim::New(cancel) => Some(Box::pin(handle_delivery(
+        Claim::New { cancel, claim } => Some(Box::pin(handle_delivery(
             ctx.clone(),
             delivery,
             decoded,
             key,
             cancel,
+            claim,
             jobs_ch.clone(),
         ))),
         Claim::Requeue => {

@@ -44,6 +44,9 @@ pub fn load_settings(
         if let Some(c) = id.cluster {
             overrides.insert("cluster".into(), c.into());
         }
+        if let Some(n) = id.loss_limit {
+            overrides.insert("loss_limit".into(), i64::from(n).into());
+        }
         if let Some(url) = id.broker_url {
             let broker = overrides
                 .entry("broker")

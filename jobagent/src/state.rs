@@ -1,10 +1,10 @@
-//! The agent's shared state: claimed jobs, whether it pulls, whether it
-//! agreed to be deleted, and which lease messages must be removed at the
-//! next lease scan. Guarded by one std mutex that is never held across an
+//! The agent's shared state: claimed jobs (and whether each claim is
+//! settled: owned through its claim marker), whether it pulls, whether it
+//! agreed to be deleted. Guarded by one std mutex that is never held across an
 //! `.await`; the session loop is the only place that claims jobs, which
 //! makes "check idle and stop pulling" atomic with respect to taking jobs.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -24,6 +24,22 @@ struct Claimed {
     /// owner's name and the submitter it was judged by. Empty until the job
     /// passed validation.
     cancellers: Vec<String>,
+    /// The claim id: a UUID, `x-vq-claim` of the lease copy and argument
+    /// of the job's claim marker.
+    claim: String,
+    /// Set once the claim is settled: the job's claim marker is ours.
+    owned: Option<Owned>,
+}
+
+/// A settled claim: this agent owns the job through its claim marker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owned {
+    /// The job's losses to lost nodes before this execution.
+    pub losses: u32,
+    /// Whether the broker confirmed the ack of the pool delivery; if not, a
+    /// copy of the job may still be queued and the marker is kept after the
+    /// job ends (`vq_common::lease::may_delete_marker`).
+    pub ack_confirmed: bool,
 }
 
 /// Result of [`Shared::cancel_by`].
@@ -44,22 +60,23 @@ struct Inner {
     is_del: bool,
     jobs: BTreeMap<String, Claimed>,
     last_end: Instant,
-    /// Job ids whose lease message must be removed (acked) at the next
-    /// lease scan: their result is confirmed, or their claim was abandoned
-    /// because the pool delivery could not be acked.
-    drop_leases: BTreeSet<String>,
 }
 
 /// Result of [`Shared::claim`].
 #[derive(Debug)]
 pub enum Claim {
-    /// Run it; the token cancels it.
-    New(CancellationToken),
+    /// Run it under claim id `claim` (a fresh UUID); the token cancels it.
+    New {
+        /// Cancels the job.
+        cancel: CancellationToken,
+        /// The claim id.
+        claim: String,
+    },
     /// The agent does not pull or has no free slot: return the delivery
     /// to the queue.
     Requeue,
-    /// A delivery of a job that runs here (its lease is held here): a
-    /// duplicate, acked and dead-lettered without running.
+    /// A delivery of a job claimed here already: a copy (a redelivery of
+    /// it, or a duplicate submission), dead-lettered without running.
     Duplicate,
 }
 
@@ -88,6 +105,8 @@ pub struct Shared {
     /// Asks the heartbeat loop for an immediate heartbeat.
     pub heartbeat_now: Notify,
     count: watch::Sender<usize>,
+    /// Claims not settled yet (no marker known to be ours).
+    unsettled: watch::Sender<usize>,
 }
 
 impl Shared {
@@ -100,12 +119,12 @@ impl Shared {
                 is_del: false,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
-                drop_leases: BTreeSet::new(),
             }),
             slots: slots as usize,
             pull_changed: Notify::new(),
             heartbeat_now: Notify::new(),
             count: watch::channel(0).0,
+            unsettled: watch::channel(0).0,
         }
     }
 
@@ -132,23 +151,33 @@ impl Shared {
         if !g.pulling || g.jobs.len() >= self.slots {
             return Claim::Requeue;
         }
-        Self::insert(&mut g, key);
+        let claim = uuid::Uuid::new_v4().to_string();
+        Self::insert(&mut g, key, &claim);
+        self.count_unsettled(&g);
         let cancel = g.jobs[key].cancel.clone();
         let n = g.jobs.len();
         drop(g);
         self.count.send_replace(n);
-        Claim::New(cancel)
+        Claim::New { cancel, claim }
     }
 
-    /// Claims a job found in the agent's own lease queue (recovery after a
-    /// restart), whatever the pulling state. `None` if it is claimed
-    /// already.
-    pub fn claim_recovered(&self, key: &str) -> Option<CancellationToken> {
+    /// Claims a job found in the agent's own lease queue whose marker is
+    /// ours (recovery after a restart), whatever the pulling state; the
+    /// claim is settled at once. `None` if it is claimed already.
+    pub fn claim_recovered(
+        &self,
+        key: &str,
+        claim: &str,
+        owned: Owned,
+    ) -> Option<CancellationToken> {
         let mut g = self.lock();
         if g.jobs.contains_key(key) {
             return None;
         }
-        Self::insert(&mut g, key);
+        Self::insert(&mut g, key, claim);
+        if let Some(j) = g.jobs.get_mut(key) {
+            j.owned = Some(owned);
+        }
         let cancel = g.jobs[key].cancel.clone();
         let n = g.jobs.len();
         drop(g);
@@ -156,7 +185,7 @@ impl Shared {
         Some(cancel)
     }
 
-    fn insert(g: &mut Inner, key: &str) {
+    fn insert(g: &mut Inner, key: &str, claim: &str) {
         g.jobs.insert(
             key.to_string(),
             Claimed {
@@ -164,8 +193,52 @@ impl Shared {
                 pid: None,
                 interrupted: false,
                 cancellers: Vec::new(),
+                claim: claim.to_string(),
+                owned: None,
             },
         );
+    }
+
+    fn count_unsettled(&self, g: &Inner) {
+        let n = g.jobs.values().filter(|j| j.owned.is_none()).count();
+        self.unsettled.send_replace(n);
+    }
+
+    /// Settles the claim of job `key`: its marker is ours.
+    pub fn set_owned(&self, key: &str, owned: Owned) {
+        let mut g = self.lock();
+        if let Some(j) = g.jobs.get_mut(key) {
+            j.owned = Some(owned);
+        }
+        self.count_unsettled(&g);
+    }
+
+    /// The settled claim of job `key`, if any.
+    pub fn owned(&self, key: &str) -> Option<Owned> {
+        self.lock().jobs.get(key).and_then(|j| j.owned.clone())
+    }
+
+    /// Every settled claim: `(job id, claim id)`.
+    pub fn owned_claims(&self) -> Vec<(String, String)> {
+        self.lock()
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.owned.is_some())
+            .map(|(k, j)| (k.clone(), j.claim.clone()))
+            .collect()
+    }
+
+    /// The claim id under which job `key` is claimed here, if it is.
+    pub fn claim_id(&self, key: &str) -> Option<String> {
+        self.lock().jobs.get(key).map(|j| j.claim.clone())
+    }
+
+    /// Waits until every claim is settled or released. A session waits for
+    /// this before it pulls, so that a delivery returned by the broker when
+    /// the previous session was lost is judged against settled claims.
+    pub async fn wait_settled(&self) {
+        let mut rx = self.unsettled.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
     }
 
     /// Whether job `key` is claimed here.
@@ -190,27 +263,12 @@ impl Shared {
         let mut g = self.lock();
         g.jobs.remove(key);
         g.last_end = Instant::now();
+        self.count_unsettled(&g);
         let n = g.jobs.len();
         drop(g);
         self.count.send_replace(n);
         self.pull_changed.notify_one();
         self.heartbeat_now.notify_one();
-    }
-
-    /// Remembers that the lease message of job `key` must be removed at the
-    /// next lease scan (it could not be removed now).
-    pub fn drop_lease_later(&self, key: &str) {
-        self.lock().drop_leases.insert(key.to_string());
-    }
-
-    /// Whether the lease of `key` is to be removed; forgets it.
-    pub fn take_drop_lease(&self, key: &str) -> bool {
-        self.lock().drop_leases.remove(key)
-    }
-
-    /// Forgets a pending lease removal (the lease was removed).
-    pub fn forget_drop_lease(&self, key: &str) {
-        self.lock().drop_leases.remove(key);
     }
 
     /// If no job is claimed, stops pulling and returns `Ok`; else returns
@@ -320,5 +378,79 @@ impl Shared {
             is_pull: g.pulling,
             is_del: g.is_del,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owned() -> Owned {
+        Owned {
+            losses: 0,
+            ack_confirmed: true,
+        }
+    }
+
+    #[test]
+    fn a_second_delivery_of_a_claimed_job_is_a_duplicate() {
+        let s = Shared::new(2);
+        assert!(matches!(s.claim("j1"), Claim::New { .. }));
+        assert!(matches!(s.claim("j1"), Claim::Duplicate));
+        assert!(matches!(s.claim("j2"), Claim::New { .. }));
+        assert!(matches!(s.claim("j3"), Claim::Requeue), "no free slot");
+    }
+
+    #[test]
+    fn every_claim_gets_its_own_claim_id() {
+        let s = Shared::new(2);
+        let Claim::New { claim: a, .. } = s.claim("j1") else {
+            panic!("claimed")
+        };
+        s.release("j1");
+        let Claim::New { claim: b, .. } = s.claim("j1") else {
+            panic!("claimed")
+        };
+        assert_ne!(a, b);
+        assert_eq!(s.claim_id("j1"), Some(b));
+    }
+
+    #[tokio::test]
+    async fn a_session_pulls_only_once_every_claim_is_settled() {
+        let s = std::sync::Arc::new(Shared::new(2));
+        let _ = s.claim("j1");
+        let _ = s.claim("j2");
+        let waiter = {
+            let s = s.clone();
+            tokio::spawn(async move { s.wait_settled().await })
+        };
+        s.set_owned("j1", owned());
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "j2 is not settled yet");
+        s.release("j2");
+        waiter.await.unwrap();
+        assert_eq!(s.owned_claims().len(), 1);
+        assert_eq!(s.owned("j1"), Some(owned()));
+    }
+
+    #[test]
+    fn a_recovered_claim_is_settled_at_once() {
+        let s = Shared::new(1);
+        let c = s.claim_recovered("j1", "c1", owned());
+        assert!(c.is_some());
+        assert_eq!(s.owned_claims(), vec![("j1".to_string(), "c1".to_string())]);
+        assert!(s.claim_recovered("j1", "c2", owned()).is_none());
+    }
+
+    #[test]
+    fn ask_delete_with_a_claimed_job_changes_nothing_and_says_no() {
+        let s = Shared::new(1);
+        let _ = s.claim("j1");
+        assert_eq!(s.try_stop_for_delete(), Err(vec!["j1".to_string()]));
+        assert!(s.wants_pull());
+        s.release("j1");
+        assert_eq!(s.try_stop_for_delete(), Ok(()));
+        assert!(!s.wants_pull());
+        assert!(matches!(s.claim("j2"), Claim::Requeue), "stopped pulling");
     }
 }

@@ -290,6 +290,8 @@ pub(crate) mod tests {
             agent: agent.into(),
             submitter: None,
             at,
+            attempt: 1,
+            duplicate: None,
             state,
         }
     }
