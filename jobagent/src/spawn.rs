@@ -7,7 +7,9 @@
 //! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
 //! job cannot lower it again), `setsid`, `setgroups` (owner's full list),
 //! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
-//! succeeds, `umask`, `chdir`, open stdout/stderr **as the owner**
+//! succeeds, join a fresh session keyring (as `pam_keyinit` does for su,
+//! sudo and sshd: nothing of the agent's keyring, which under systemd is
+//! the unit's, reaches the job), `umask`, `chdir`, open stdout/stderr **as the owner**
 //! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
 //! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
 //! can watch their size for `max_output_bytes` without ever opening the
@@ -87,7 +89,12 @@ enum Step {
     OpenStderr,
     Dup,
     ScriptFd,
+    SessionKeyring = 16,
 }
+
+/// `keyctl(2)` operation that joins a new anonymous session keyring when
+/// given a NULL name (`<linux/keyctl.h>`; not in the libc crate).
+const KEYCTL_JOIN_SESSION_KEYRING: libc::c_long = 1;
 
 fn step_name(step: u8, plan: &LaunchPlan) -> String {
     match step {
@@ -118,6 +125,7 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
             "stderr path {} is not a regular file (FIFO, socket or device): refused",
             plan.stderr.to_string_lossy()
         ),
+        16 => "joining a new session keyring as the owner".into(),
         n => format!("unknown step {n}"),
     }
 }
@@ -456,6 +464,20 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
             }
             if libc::setuid(0) != -1 || libc::setgid(0) != -1 || libc::geteuid() == 0 {
                 return Err(fail(pipe_fd, Step::RegainRoot, libc::EPERM));
+            }
+            // After the uid switch, so the new keyring belongs to the owner
+            // (and counts against the owner's key quota). ENOSYS: a kernel
+            // without keys support has no keyring to inherit.
+            if libc::syscall(
+                libc::SYS_keyctl,
+                KEYCTL_JOIN_SESSION_KEYRING,
+                std::ptr::null::<libc::c_char>(),
+            ) == -1
+            {
+                let e = errno();
+                if e != libc::ENOSYS {
+                    return Err(fail(pipe_fd, Step::SessionKeyring, e));
+                }
             }
             libc::umask(umask as libc::mode_t);
             if libc::chdir(cwd.as_ptr()) == -1 {

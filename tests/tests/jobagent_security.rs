@@ -3,7 +3,8 @@
 //! as the owner (symlinks, unwritable and unenterable directories), the
 //! agent's environment and state directory, regaining root, the output cap,
 //! oom_score_adj, processes that escape with `setsid` (with and without
-//! cgroup v2), and jobs left behind by an agent that was SIGKILLed.
+//! cgroup v2), jobs left behind by an agent that was SIGKILLed, and
+//! (issue 9) nothing of root's reaching a job: its session keyring.
 //!
 //! Run as root:
 //! `cargo test -p vq-tests --test jobagent_security -- --include-ignored`.
@@ -17,7 +18,8 @@ use anyhow::{bail, Context};
 use vq_common::messages::Join;
 use vq_tests::harness::{
     broker_url, ensure_group, ensure_test_user, job, require_root, start_agent, start_agent_in,
-    unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap, TestBroker, TestUser,
+    start_agent_wrapped, unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap,
+    TestBroker, TestUser,
 };
 
 const POOL: &str = "sec";
@@ -722,4 +724,120 @@ async fn a_restarted_agent_kills_what_is_left_of_its_previous_jobs() -> anyhow::
     }
     leftovers_of_a_killed_agent(true).await?;
     leftovers_of_a_killed_agent(false).await
+}
+
+// ------------------------------------------- nothing of root's reaches a job
+
+/// Installs keyutils (`keyctl`) when it is missing: the keyring test needs
+/// it on the test host and inside the jobs (`apt-get install keyutils`).
+fn ensure_keyctl() -> anyhow::Result<()> {
+    let have = || {
+        Command::new("sh")
+            .args(["-c", "command -v keyctl"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if have() {
+        return Ok(());
+    }
+    for step in [
+        &["update", "-qq"][..],
+        &["install", "-y", "-q", "keyutils"][..],
+    ] {
+        Command::new("apt-get")
+            .args(step)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .context("apt-get install keyutils")?;
+    }
+    if !have() {
+        bail!("keyutils (keyctl) is needed for this test and could not be installed");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_owner_is_seen(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    ensure_keyctl()?;
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let bob = ensure_test_user("vqt-keyb", 2471)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-key");
+    // The agent runs in a session keyring that holds a key of root's, as
+    // under systemd (the unit's keyring) or after a root login.
+    let secret = format!("root-secret-{:08x}", rand::random::<u32>());
+    let add = format!("keyctl add user vq-root-key {secret} @s >/dev/null && exec \"$@\"");
+    let agent = start_agent_wrapped(
+        &cluster,
+        POOL,
+        &agent_id,
+        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        &[],
+        &[
+            "keyctl",
+            "session",
+            "-",
+            "sh",
+            "-c",
+            &add,
+            "vq-keyring-wrap",
+        ],
+    )?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+
+    let probe = |key: &str, tag: &str| {
+        format!(
+            "if id=$(keyctl search @s user {key} 2>/dev/null); then echo {tag}-FOUND; keyctl print \"$id\"; else echo {tag}-hidden; fi\n\
+             grep -q ' {key}: ' /proc/keys && echo {tag}-LISTED || echo {tag}-unlisted\n"
+        )
+    };
+    let a = job(
+        POOL,
+        &alice.name,
+        "keya",
+        &format!(
+            "{}keyctl add user vq-alice-key alice-secret @s >/dev/null && echo alice-key-added\n",
+            probe("vq-root-key", "root")
+        ),
+    );
+    broker.publish_job(&a, Some("guest")).await?;
+    let fin = tap.job_event(&a.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out_a = read(&alice.home.join(format!("keya.o{}", a.seq())));
+    let b = job(
+        POOL,
+        &bob.name,
+        "keyb",
+        &format!(
+            "{}{}",
+            probe("vq-alice-key", "alice"),
+            probe("vq-root-key", "root")
+        ),
+    );
+    broker.publish_job(&b, Some("guest")).await?;
+    let fin = tap.job_event(&b.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out_b = read(&bob.home.join(format!("keyb.o{}", b.seq())));
+    for (out, want) in [
+        (&out_a, "root-hidden\nroot-unlisted\nalice-key-added\n"),
+        (
+            &out_b,
+            "alice-hidden\nalice-unlisted\nroot-hidden\nroot-unlisted\n",
+        ),
+    ] {
+        assert!(!out.contains(&secret), "root's key reached a job:\n{out}");
+        assert_eq!(out.as_str(), want, "job output");
+    }
+    remove_outputs(&alice.home, "keya", a.seq());
+    remove_outputs(&bob.home, "keyb", b.seq());
+    drop(agent);
+    broker.cleanup().await;
+    Ok(())
 }
