@@ -2,7 +2,10 @@
 //! in one `pre_exec` hook, and `wait4` for its status and rusage.
 //!
 //! The parent prepares everything ([`LaunchPlan`]); after `fork` the child
-//! makes only async-signal-safe system calls, in this order: join the job's
+//! makes only async-signal-safe system calls, in this order: reset every
+//! signal to its default disposition and unblock all (an agent started by
+//! `nohup` or a script's `&` has SIGHUP/SIGQUIT ignored, and ignored
+//! signals survive `exec`), join the job's
 //! cgroup (write `0` to its `cgroup.procs`, opened by the parent), set its
 //! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
 //! job cannot lower it again), `setsid`, `setgroups` (owner's full list),
@@ -90,6 +93,74 @@ enum Step {
     Dup,
     ScriptFd,
     SessionKeyring = 16,
+    Signals = 17,
+}
+
+/// Highest signal number of the kernel (`_NSIG`; realtime signals included).
+const KERNEL_NSIG: libc::c_int = 64;
+
+/// The kernel's `struct sigaction` for `rt_sigaction(2)` on x86_64 and
+/// aarch64 (handler, flags, restorer, mask): the raw call also resets
+/// signals 32 and 33, which glibc and musl reserve and their `sigaction`
+/// refuses, but which a parent may have ignored.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+compile_error!("KernelSigaction has the layout of x86_64 and aarch64 only");
+
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// Sets every signal but SIGKILL/SIGSTOP (1..=[`KERNEL_NSIG`]) to `SIG_DFL`
+/// and unblocks all of them. Returns the errno of a failed call.
+///
+/// # Safety
+/// Async-signal-safe (raw `rt_sigaction`/`rt_sigprocmask` on stack data);
+/// call it in the forked child only (handlers of the parent are gone).
+unsafe fn reset_signals() -> Result<(), i32> {
+    let dfl = KernelSigaction {
+        handler: libc::SIG_DFL,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    let sigset_size = std::mem::size_of::<u64>();
+    for sig in 1..=KERNEL_NSIG {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: `dfl` is a valid kernel sigaction; no old action wanted.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                &dfl as *const KernelSigaction,
+                std::ptr::null_mut::<KernelSigaction>(),
+                sigset_size,
+            )
+        };
+        if r == -1 {
+            return Err(errno());
+        }
+    }
+    let empty: u64 = 0;
+    // SAFETY: a valid empty kernel sigset; no old mask wanted.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            sigset_size,
+        )
+    };
+    if r == -1 {
+        return Err(errno());
+    }
+    Ok(())
 }
 
 /// `keyctl(2)` operation that joins a new anonymous session keyring when
@@ -126,6 +197,7 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
             plan.stderr.to_string_lossy()
         ),
         16 => "joining a new session keyring as the owner".into(),
+        17 => "resetting signal dispositions and the signal mask".into(),
         n => format!("unknown step {n}"),
     }
 }
@@ -436,6 +508,9 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
         // data prepared before fork (no allocation, no locks); this closure
         // runs in the forked child only.
         unsafe {
+            if let Err(e) = reset_signals() {
+                return Err(fail(pipe_fd, Step::Signals, e));
+            }
             if cg_fd >= 0 && libc::write(cg_fd, b"0".as_ptr().cast(), 1) != 1 {
                 return Err(fail(pipe_fd, Step::Cgroup, errno()));
             }

@@ -4,7 +4,8 @@
 //! agent's environment and state directory, regaining root, the output cap,
 //! oom_score_adj, processes that escape with `setsid` (with and without
 //! cgroup v2), jobs left behind by an agent that was SIGKILLed, and
-//! (issue 9) nothing of root's reaching a job: its session keyring.
+//! (issue 9) nothing of root's reaching a job: its session keyring, its
+//! ignored signals.
 //!
 //! Run as root:
 //! `cargo test -p vq-tests --test jobagent_security -- --include-ignored`.
@@ -837,6 +838,59 @@ async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_
     }
     remove_outputs(&alice.home, "keya", a.seq());
     remove_outputs(&bob.home, "keyb", b.seq());
+    drop(agent);
+    broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_of_an_agent_started_with_signals_ignored_starts_with_default_signals_and_no_mask(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-sig");
+    // As `nohup` or a background start from a script would leave them.
+    let agent = start_agent_wrapped(
+        &cluster,
+        POOL,
+        &agent_id,
+        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        &[],
+        &[
+            "sh",
+            "-c",
+            "trap '' HUP QUIT USR2 PIPE; exec \"$@\"",
+            "vq-nohup-wrap",
+        ],
+    )?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.guard.id()))?;
+    let ignored = status
+        .lines()
+        .find(|l| l.starts_with("SigIgn:"))
+        .unwrap_or_default()
+        .to_string();
+    wait_agent_up(&mut tap, &agent_id).await?;
+    let j = job(
+        POOL,
+        &alice.name,
+        "signals",
+        "grep -E '^Sig(Ign|Blk):' /proc/self/status\n",
+    );
+    broker.publish_job(&j, Some("guest")).await?;
+    let fin = tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out = read(&alice.home.join(format!("signals.o{}", j.seq())));
+    assert_eq!(
+        out, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n",
+        "the agent ran with {ignored}"
+    );
+    remove_outputs(&alice.home, "signals", j.seq());
     drop(agent);
     broker.cleanup().await;
     Ok(())
