@@ -58,6 +58,9 @@ pub struct LaunchPlan {
     pub memory_max_bytes: u64,
     /// `cpu.max` quota per 100 ms period, microseconds (0 = none).
     pub cpu_quota_us: u64,
+    /// Most processes of the job at once (`job_pids_max`, >= 1): `pids.max`
+    /// of its cgroup, or `RLIMIT_NPROC` of the owner without one.
+    pub pids_max: u64,
     /// The agent's state directory (records of running jobs live in
     /// `<state_dir>/running`).
     pub state_dir: PathBuf,
@@ -289,6 +292,7 @@ pub fn plan_job(
         cgroups: cfg.cgroups,
         memory_max_bytes: cfg.job_memory_max_bytes,
         cpu_quota_us: (cfg.job_cpu_max * CPU_PERIOD_US as f64).round() as u64,
+        pids_max: cfg.job_pids_max,
         state_dir: cfg.state_dir.clone(),
     })
 }
@@ -701,7 +705,9 @@ mod tests {
         c.job_cpu_max = 1.5;
         c.job_memory_max_bytes = 1 << 30;
         c.max_output_bytes = 4096;
+        c.job_pids_max = 64;
         let plan = plan_job(&job("alice"), Some("alice"), &c, &sys()).unwrap();
+        assert_eq!(plan.pids_max, 64);
         assert_eq!(plan.cpu_quota_us, 150_000);
         assert_eq!(plan.memory_max_bytes, 1 << 30);
         assert_eq!(plan.max_output_bytes, 4096);

@@ -8,7 +8,8 @@
 //! signals survive `exec`), join the job's
 //! cgroup (write `0` to its `cgroup.procs`, opened by the parent), set its
 //! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
-//! job cannot lower it again), `setsid`, `setgroups` (owner's full list),
+//! job cannot lower it again), `RLIMIT_NPROC` (only when no cgroup
+//! `pids.max` limits the job), `setsid`, `setgroups` (owner's full list),
 //! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
 //! succeeds, join a fresh session keyring (as `pam_keyinit` does for su,
 //! sudo and sshd: nothing of the agent's keyring, which under systemd is
@@ -94,6 +95,7 @@ enum Step {
     ScriptFd,
     SessionKeyring = 16,
     Signals = 17,
+    Nproc = 18,
 }
 
 /// Highest signal number of the kernel (`_NSIG`; realtime signals included).
@@ -198,6 +200,7 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         ),
         16 => "joining a new session keyring as the owner".into(),
         17 => "resetting signal dispositions and the signal mask".into(),
+        18 => format!("setting RLIMIT_NPROC to {}", plan.pids_max),
         n => format!("unknown step {n}"),
     }
 }
@@ -459,15 +462,23 @@ fn recv_fds(sock: &OwnedFd) -> std::io::Result<Vec<OwnedFd>> {
 }
 
 /// Starts the job of `plan`, in the cgroup whose `cgroup.procs` is open as
-/// `cgroup_procs` (if any). Returns its pid, which is also its process
-/// group and session id, and the output fds. Blocking (forks and waits for
-/// exec): call it from a blocking thread.
+/// `cgroup_procs` (if any). `rlimit_nproc`: the job's process limit when
+/// no `pids.max` enforces it; the child then sets `RLIMIT_NPROC` (soft and
+/// hard, so the job cannot raise it) before it drops privileges. The kernel
+/// counts that limit over every process of the owner's uid, not only the
+/// job's. Returns its pid, which is also its process group and session id,
+/// and the output fds. Blocking (forks and waits for exec): call it from a
+/// blocking thread.
 ///
 /// # Errors
 /// [`LaunchError::Prepare`] before fork, [`LaunchError::Child`] naming the
 /// failed step in the child, [`LaunchError::Exec`] if the shell cannot be
 /// executed.
-pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawned, LaunchError> {
+pub fn spawn(
+    plan: &LaunchPlan,
+    cgroup_procs: Option<&OwnedFd>,
+    rlimit_nproc: Option<u64>,
+) -> Result<Spawned, LaunchError> {
     let script = script_memfd(&plan.script)?;
     let script_fd = script.as_raw_fd();
     let (rd, wr) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
@@ -497,6 +508,10 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
     let stdout = plan.stdout.clone();
     let stderr = plan.stderr.clone();
     let join = plan.join;
+    let nproc = rlimit_nproc.map(|n| libc::rlimit {
+        rlim_cur: n as libc::rlim_t,
+        rlim_max: n as libc::rlim_t,
+    });
     let agent_oom = std::fs::read_to_string("/proc/self/oom_score_adj")
         .ok()
         .and_then(|v| v.trim().parse::<i32>().ok())
@@ -525,6 +540,11 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
                 return Err(fail(pipe_fd, Step::OomScore, errno()));
             }
             libc::close(oom);
+            if let Some(limit) = &nproc {
+                if libc::setrlimit(libc::RLIMIT_NPROC, limit) == -1 {
+                    return Err(fail(pipe_fd, Step::Nproc, errno()));
+                }
+            }
             if libc::setsid() == -1 {
                 return Err(fail(pipe_fd, Step::Setsid, errno()));
             }

@@ -5,7 +5,7 @@
 //! oom_score_adj, processes that escape with `setsid` (with and without
 //! cgroup v2), jobs left behind by an agent that was SIGKILLed, and
 //! (issue 9) nothing of root's reaching a job: its session keyring, its
-//! ignored signals.
+//! ignored signals, unlimited processes (fork bombs).
 //!
 //! Run as root:
 //! `cargo test -p vq-tests --test jobagent_security -- --include-ignored`.
@@ -894,4 +894,69 @@ async fn a_job_of_an_agent_started_with_signals_ignored_starts_with_default_sign
     drop(agent);
     broker.cleanup().await;
     Ok(())
+}
+
+async fn a_fork_bomb_stops_at_the_process_limit(cgroups: bool) -> anyhow::Result<()> {
+    const LIMIT: usize = 20;
+    const TRIES: usize = 200;
+    let forker = ensure_test_user("vqt-forker", 2472)?;
+    let mut s = setup(&format!("cgroups = {cgroups}\njob_pids_max = {LIMIT}"), &[]).await?;
+    // Forks children that sleep until it fails or reaches TRIES, reports the
+    // count, then waits to be cancelled.
+    let script = format!(
+        "exec perl -e '$0 = \"vq-forkbomb\"; $| = 1; $n = 0;\n\
+         for (1..{TRIES}) {{ $p = fork; last unless defined $p; if ($p == 0) {{ sleep 120; exit 0 }} $n++ }}\n\
+         print \"forked $n\\n\"; sleep 120'\n"
+    );
+    let j = job(POOL, &forker.name, "forkbomb", &script);
+    s.broker.publish_job(&j, Some("guest")).await?;
+    s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
+    let out_path = forker.home.join(format!("forkbomb.o{}", j.seq()));
+    // Synchronise on the job's report (it prints once its forks are done).
+    let deadline = std::time::Instant::now() + EVENT_WAIT;
+    let out = loop {
+        let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+        if out.ends_with('\n') || std::time::Instant::now() >= deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let forked: usize = out
+        .trim()
+        .strip_prefix("forked ")
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("job output {out:?}"))?;
+    eprintln!("cgroups = {cgroups}: {forked} of {TRIES} forks succeeded (job_pids_max = {LIMIT})");
+    assert!(
+        forked < LIMIT,
+        "cgroups = {cgroups}: {forked} forks succeeded with job_pids_max = {LIMIT}"
+    );
+    // The agent (root, outside the job's limit) still cancels and reports.
+    s.broker
+        .publish_control(
+            &s.agent.agent_id,
+            &vq_common::messages::Control::Cancel {
+                job_id: j.id.clone(),
+            },
+        )
+        .await?;
+    s.tap.job_event(&j.id, "cancelled", EVENT_WAIT).await?;
+    let left = live_pids(forker.uid, "vq-forkbomb");
+    assert!(left.is_empty(), "processes outlived the job: {left:?}");
+    remove_outputs(&forker.home, "forkbomb", j.seq());
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_fork_bomb_stops_at_job_pids_max_and_the_agent_still_cancels_it() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    // With cgroups: pids.max where the pids controller is delegated, else
+    // RLIMIT_NPROC; without: RLIMIT_NPROC.
+    a_fork_bomb_stops_at_the_process_limit(true).await?;
+    a_fork_bomb_stops_at_the_process_limit(false).await
 }
