@@ -1,10 +1,15 @@
 //! Pure job validation and launch planning: job + submitter + config + user
 //! database → [`LaunchPlan`] or a [`Rejection`]. Everything the child needs
 //! after `fork` is decided here, in the parent (STYLE practice 10).
+//!
+//! Paths are only checked for form here (absolute, no NUL): whether the
+//! working directory and the shell exist and are usable is checked by the
+//! job's process after it became the owner (`chdir`, `stat`, `access`), so
+//! a job learns no more about a path than its owner could.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use vq_common::config::AgentConfig;
@@ -206,12 +211,6 @@ pub fn plan_job(
             problem: "is not an absolute path",
         });
     }
-    if !sys.is_dir(Path::new(&workdir)) {
-        return Err(Rejection::Workdir {
-            path: workdir.into(),
-            problem: "does not exist or is not a directory",
-        });
-    }
     let shell = match &job.shell {
         Some(s) => s.clone(),
         None if user.shell.is_empty() => FALLBACK_SHELL.into(),
@@ -221,12 +220,6 @@ pub fn plan_job(
         return Err(Rejection::Shell {
             path: PathBuf::from(shell),
             problem: "is not an absolute path",
-        });
-    }
-    if !sys.is_file(Path::new(&shell)) {
-        return Err(Rejection::Shell {
-            path: PathBuf::from(shell),
-            problem: "does not exist or is not a file",
         });
     }
     let stdout = job
@@ -593,13 +586,13 @@ mod tests {
             Err(Rejection::BadField { field: "name", .. })
         ));
         let mut j = job("alice");
-        j.workdir = Some("/nonexistent".into());
+        j.workdir = Some("relative/dir".into());
         assert!(matches!(
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::Workdir { .. })
         ));
         let mut j = job("alice");
-        j.shell = Some("/bin/zsh".into());
+        j.shell = Some("zsh".into());
         assert!(matches!(
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::Shell { .. })
@@ -610,6 +603,22 @@ mod tests {
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::WrongPool { .. })
         ));
+    }
+
+    #[test]
+    fn the_planner_never_probes_paths_so_root_reveals_nothing_about_them() {
+        let s = sys();
+        let mut j = job("alice");
+        j.workdir = Some("/root/secret".into());
+        j.shell = Some("/root/bin/sh".into());
+        let plan = plan_job(&j, Some("alice"), &cfg(), &s).unwrap();
+        assert_eq!(plan.cwd.to_str().unwrap(), "/root/secret");
+        assert_eq!(plan.shell.to_str().unwrap(), "/root/bin/sh");
+        let calls = s.calls.lock().unwrap();
+        assert!(
+            calls.iter().all(|c| !c.contains("/root")),
+            "paths are checked by the job as the owner: {calls:?}"
+        );
     }
 
     #[test]

@@ -5,15 +5,15 @@
 //! makes only async-signal-safe system calls, in this order: reset every
 //! signal to its default disposition and unblock all (an agent started by
 //! `nohup` or a script's `&` has SIGHUP/SIGQUIT ignored, and ignored
-//! signals survive `exec`), join the job's
-//! cgroup (write `0` to its `cgroup.procs`, opened by the parent), set its
-//! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
+//! signals survive `exec`), join the job's cgroup (write `0` to its
+//! `cgroup.procs`, opened by the parent), set its own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
 //! job cannot lower it again), `RLIMIT_NPROC` (only when no cgroup
 //! `pids.max` limits the job), `setsid`, `setgroups` (owner's full list),
 //! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
 //! succeeds, join a fresh session keyring (as `pam_keyinit` does for su,
 //! sudo and sshd: nothing of the agent's keyring, which under systemd is
-//! the unit's, reaches the job), `umask`, `chdir`, open stdout/stderr **as the owner**
+//! the unit's, reaches the job), `umask`, `chdir`, check the shell (a
+//! regular file the owner may execute), open stdout/stderr **as the owner**
 //! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
 //! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
 //! can watch their size for `max_output_bytes` without ever opening the
@@ -96,6 +96,8 @@ enum Step {
     SessionKeyring = 16,
     Signals = 17,
     Nproc = 18,
+    Shell = 19,
+    ShellNotRegular = 20,
 }
 
 /// Highest signal number of the kernel (`_NSIG`; realtime signals included).
@@ -201,6 +203,14 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         16 => "joining a new session keyring as the owner".into(),
         17 => "resetting signal dispositions and the signal mask".into(),
         18 => format!("setting RLIMIT_NPROC to {}", plan.pids_max),
+        19 => format!(
+            "checking shell {} as the owner",
+            plan.shell.to_string_lossy()
+        ),
+        20 => format!(
+            "shell {} is not a regular file: refused",
+            plan.shell.to_string_lossy()
+        ),
         n => format!("unknown step {n}"),
     }
 }
@@ -505,6 +515,7 @@ pub fn spawn(
     let groups: Vec<libc::gid_t> = plan.groups.clone();
     let (uid, gid, umask) = (plan.uid, plan.gid, plan.umask);
     let cwd = plan.cwd.clone();
+    let shell_path = plan.shell.clone();
     let stdout = plan.stdout.clone();
     let stderr = plan.stderr.clone();
     let join = plan.join;
@@ -577,6 +588,18 @@ pub fn spawn(
             libc::umask(umask as libc::mode_t);
             if libc::chdir(cwd.as_ptr()) == -1 {
                 return Err(fail(pipe_fd, Step::Chdir, errno()));
+            }
+            // As the owner, before any output file is created: what exec
+            // would answer, and nothing the owner could not learn itself.
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::stat(shell_path.as_ptr(), &mut st) == -1 {
+                return Err(fail(pipe_fd, Step::Shell, errno()));
+            }
+            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                return Err(fail(pipe_fd, Step::ShellNotRegular, libc::EACCES));
+            }
+            if libc::access(shell_path.as_ptr(), libc::X_OK) == -1 {
+                return Err(fail(pipe_fd, Step::Shell, errno()));
             }
             let (out, err) = match join {
                 Join::Oe | Join::Eo => {

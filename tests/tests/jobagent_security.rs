@@ -5,7 +5,8 @@
 //! oom_score_adj, processes that escape with `setsid` (with and without
 //! cgroup v2), jobs left behind by an agent that was SIGKILLed, and
 //! (issue 9) nothing of root's reaching a job: its session keyring, its
-//! ignored signals, unlimited processes (fork bombs).
+//! ignored signals, unlimited processes (fork bombs),
+//! and root's answers about paths its owner cannot see.
 //!
 //! Run as root:
 //! `cargo test -p vq-tests --test jobagent_security -- --include-ignored`.
@@ -317,13 +318,24 @@ async fn hostile_owners_groups_and_variables_are_refused_with_reasons() -> anyho
         (denied_job.id.as_str(), "deny_groups"),
         (root_group.id.as_str(), "group"),
         (eq_var.id.as_str(), "variable name"),
-        (missing_dir.id.as_str(), "does not exist"),
         (relative.id.as_str(), "absolute"),
     ] {
         let ev = s.tap.job_event(id, "failed", EVENT_WAIT).await?;
         let reason = ev["reason"].as_str().unwrap_or_default();
         assert!(reason.contains(needle), "{id}: {reason:?} lacks {needle:?}");
     }
+    // The working directory is checked by the job's process, as the owner.
+    let fin = s
+        .tap
+        .job_event(&missing_dir.id, "finished", EVENT_WAIT)
+        .await?;
+    assert_eq!(fin["outcome"]["kind"], "failed_to_start", "{fin}");
+    let reason = fin["outcome"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("chdir to /nonexistent/vq-workdir as the owner")
+            && reason.contains("No such file"),
+        "{reason}"
+    );
     drop(s.agent);
     s.broker.cleanup().await;
     Ok(())
@@ -757,6 +769,21 @@ fn ensure_keyctl() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Waits for the final event (`failed` or `finished`) of `id` and returns
+/// its reason: the `failed` event's, or the `failed_to_start` outcome's.
+async fn final_reason(tap: &mut EventTap, id: &str) -> anyhow::Result<String> {
+    let ev = tap
+        .wait_for(EVENT_WAIT, &format!("final event of {id}"), |k, v| {
+            k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == id
+        })
+        .await?;
+    Ok(ev["reason"]
+        .as_str()
+        .or(ev["outcome"]["reason"].as_str())
+        .unwrap_or_default()
+        .to_string())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_owner_is_seen(
@@ -959,4 +986,66 @@ async fn a_fork_bomb_stops_at_job_pids_max_and_the_agent_still_cancels_it() -> a
     // RLIMIT_NPROC; without: RLIMIT_NPROC.
     a_fork_bomb_stops_at_the_process_limit(true).await?;
     a_fork_bomb_stops_at_the_process_limit(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn workdir_and_shell_paths_the_owner_cannot_reach_fail_alike_whether_or_not_they_exist(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let alice = s.alice.clone();
+    // A directory only root can enter, like /root, holding a directory and
+    // a shell the owner must not learn about.
+    let private = tempfile::Builder::new()
+        .prefix("vq-private-")
+        .tempdir_in("/root")?;
+    std::fs::set_permissions(
+        private.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )?;
+    let exists = private.path().join("exists");
+    std::fs::create_dir(&exists)?;
+    let shell = private.path().join("sh");
+    std::fs::copy("/bin/sh", &shell)?;
+    let (missing, no_shell) = (private.path().join("missing"), private.path().join("nosh"));
+    let mut jobs = Vec::new();
+    for (what, path) in [
+        ("wd", &exists),
+        ("wd", &missing),
+        ("sh", &shell),
+        ("sh", &no_shell),
+    ] {
+        let mut j = job(POOL, &alice.name, &format!("probe{what}"), "echo ran");
+        if what == "wd" {
+            j.workdir = Some(path.display().to_string());
+            j.stdout = Some(alice.home.join("probe.out").display().to_string());
+            j.stderr = Some(alice.home.join("probe.err").display().to_string());
+        } else {
+            j.shell = Some(path.display().to_string());
+        }
+        s.broker.publish_job(&j, Some("guest")).await?;
+        jobs.push((j, path.display().to_string()));
+    }
+    let mut reasons = Vec::new();
+    for (j, path) in &jobs {
+        let reason = final_reason(&mut s.tap, &j.id).await?;
+        assert!(
+            !reason.contains("does not exist"),
+            "{path}: {reason:?} says whether it exists"
+        );
+        reasons.push(reason.replace(path.as_str(), "<path>"));
+    }
+    assert_eq!(reasons[0], reasons[1], "workdir reasons differ");
+    assert_eq!(reasons[2], reasons[3], "shell reasons differ");
+    for (j, _) in &jobs {
+        remove_outputs(&alice.home, &j.name, j.seq());
+    }
+    let _ = std::fs::remove_file(alice.home.join("probe.out"));
+    let _ = std::fs::remove_file(alice.home.join("probe.err"));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
 }
