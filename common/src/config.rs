@@ -385,7 +385,18 @@ pub struct AgentConfig {
     /// 0 means no limit. When set and the cpu controller cannot be used,
     /// jobs fail to start.
     pub job_cpu_max: f64,
+    /// Most processes (and threads) a job may have at once, so a fork bomb
+    /// stops there and the VM keeps pids for the agent. Enforced with
+    /// `pids.max` of the job's cgroup where the pids controller can be
+    /// enabled, else with `RLIMIT_NPROC` for the owner, which the kernel
+    /// counts over **all** processes of the owner's uid on the host (other
+    /// jobs and logins of the same owner included). Range
+    /// 1..=[`MAX_JOB_PIDS`]; default 4096.
+    pub job_pids_max: u64,
 }
+
+/// Largest `job_pids_max`: the kernel's `PID_MAX_LIMIT` on 64-bit Linux.
+pub const MAX_JOB_PIDS: u64 = 4_194_304;
 
 impl Default for AgentConfig {
     fn default() -> Self {
@@ -416,6 +427,7 @@ impl Default for AgentConfig {
             cgroups: true,
             job_memory_max_bytes: 0,
             job_cpu_max: 0.0,
+            job_pids_max: 4096,
         }
     }
 }
@@ -518,6 +530,12 @@ impl AgentConfig {
             p.push(format!(
                 "job_memory_max_bytes: {} is below one page (0 = no limit)",
                 self.job_memory_max_bytes
+            ));
+        }
+        if !(1..=MAX_JOB_PIDS).contains(&self.job_pids_max) {
+            p.push(format!(
+                "job_pids_max: {} is out of range 1..={MAX_JOB_PIDS}",
+                self.job_pids_max
             ));
         }
         if (self.job_memory_max_bytes != 0 || self.job_cpu_max != 0.0) && !self.cgroups {
@@ -1312,6 +1330,30 @@ mod tests {
             format!("broker.cert_file: {} is not valid PEM", garbage.0.display()),
         ] {
             assert!(all.contains(&needle), "{needle} not in:\n{all}");
+        }
+    }
+
+    #[test]
+    fn job_pids_max_defaults_to_4096_and_must_be_in_range() {
+        let mut c = AgentConfig {
+            pool: "p".into(),
+            agent_id: "a".into(),
+            ..AgentConfig::default()
+        };
+        assert_eq!(c.job_pids_max, 4096);
+        for (v, ok) in [
+            (0, false),
+            (1, true),
+            (MAX_JOB_PIDS, true),
+            (MAX_JOB_PIDS + 1, false),
+        ] {
+            c.job_pids_max = v;
+            let problems = c.validate().err().unwrap_or_default();
+            assert_eq!(
+                !problems.iter().any(|p| p.starts_with("job_pids_max")),
+                ok,
+                "{v}: {problems:?}"
+            );
         }
     }
 

@@ -1,10 +1,15 @@
 //! Pure job validation and launch planning: job + submitter + config + user
 //! database → [`LaunchPlan`] or a [`Rejection`]. Everything the child needs
 //! after `fork` is decided here, in the parent (STYLE practice 10).
+//!
+//! Paths are only checked for form here (absolute, no NUL): whether the
+//! working directory and the shell exist and are usable is checked by the
+//! job's process after it became the owner (`chdir`, `stat`, `access`), so
+//! a job learns no more about a path than its owner could.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use vq_common::config::AgentConfig;
@@ -58,6 +63,9 @@ pub struct LaunchPlan {
     pub memory_max_bytes: u64,
     /// `cpu.max` quota per 100 ms period, microseconds (0 = none).
     pub cpu_quota_us: u64,
+    /// Most processes of the job at once (`job_pids_max`, >= 1): `pids.max`
+    /// of its cgroup, or `RLIMIT_NPROC` of the owner without one.
+    pub pids_max: u64,
     /// The agent's state directory (records of running jobs live in
     /// `<state_dir>/running`).
     pub state_dir: PathBuf,
@@ -203,12 +211,6 @@ pub fn plan_job(
             problem: "is not an absolute path",
         });
     }
-    if !sys.is_dir(Path::new(&workdir)) {
-        return Err(Rejection::Workdir {
-            path: workdir.into(),
-            problem: "does not exist or is not a directory",
-        });
-    }
     let shell = match &job.shell {
         Some(s) => s.clone(),
         None if user.shell.is_empty() => FALLBACK_SHELL.into(),
@@ -218,12 +220,6 @@ pub fn plan_job(
         return Err(Rejection::Shell {
             path: PathBuf::from(shell),
             problem: "is not an absolute path",
-        });
-    }
-    if !sys.is_file(Path::new(&shell)) {
-        return Err(Rejection::Shell {
-            path: PathBuf::from(shell),
-            problem: "does not exist or is not a file",
         });
     }
     let stdout = job
@@ -298,6 +294,7 @@ pub fn plan_job(
         cgroups: cfg.cgroups,
         memory_max_bytes: cfg.job_memory_max_bytes,
         cpu_quota_us: (cfg.job_cpu_max * CPU_PERIOD_US as f64).round() as u64,
+        pids_max: cfg.job_pids_max,
         state_dir: cfg.state_dir.clone(),
     })
 }
@@ -598,13 +595,13 @@ mod tests {
             Err(Rejection::BadField { field: "name", .. })
         ));
         let mut j = job("alice");
-        j.workdir = Some("/nonexistent".into());
+        j.workdir = Some("relative/dir".into());
         assert!(matches!(
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::Workdir { .. })
         ));
         let mut j = job("alice");
-        j.shell = Some("/bin/zsh".into());
+        j.shell = Some("zsh".into());
         assert!(matches!(
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::Shell { .. })
@@ -615,6 +612,22 @@ mod tests {
             plan_job(&j, Some("alice"), &c, &s),
             Err(Rejection::WrongPool { .. })
         ));
+    }
+
+    #[test]
+    fn the_planner_never_probes_paths_so_root_reveals_nothing_about_them() {
+        let s = sys();
+        let mut j = job("alice");
+        j.workdir = Some("/root/secret".into());
+        j.shell = Some("/root/bin/sh".into());
+        let plan = plan_job(&j, Some("alice"), &cfg(), &s).unwrap();
+        assert_eq!(plan.cwd.to_str().unwrap(), "/root/secret");
+        assert_eq!(plan.shell.to_str().unwrap(), "/root/bin/sh");
+        let calls = s.calls.lock().unwrap();
+        assert!(
+            calls.iter().all(|c| !c.contains("/root")),
+            "paths are checked by the job as the owner: {calls:?}"
+        );
     }
 
     #[test]
@@ -710,7 +723,9 @@ mod tests {
         c.job_cpu_max = 1.5;
         c.job_memory_max_bytes = 1 << 30;
         c.max_output_bytes = 4096;
+        c.job_pids_max = 64;
         let plan = plan_job(&job("alice"), Some("alice"), &c, &sys()).unwrap();
+        assert_eq!(plan.pids_max, 64);
         assert_eq!(plan.cpu_quota_us, 150_000);
         assert_eq!(plan.memory_max_bytes, 1 << 30);
         assert_eq!(plan.max_output_bytes, 4096);

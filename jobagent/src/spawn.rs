@@ -2,12 +2,18 @@
 //! in one `pre_exec` hook, and `wait4` for its status and rusage.
 //!
 //! The parent prepares everything ([`LaunchPlan`]); after `fork` the child
-//! makes only async-signal-safe system calls, in this order: join the job's
-//! cgroup (write `0` to its `cgroup.procs`, opened by the parent), set its
-//! own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
-//! job cannot lower it again), `setsid`, `setgroups` (owner's full list),
+//! makes only async-signal-safe system calls, in this order: reset every
+//! signal to its default disposition and unblock all (an agent started by
+//! `nohup` or a script's `&` has SIGHUP/SIGQUIT ignored, and ignored
+//! signals survive `exec`), join the job's cgroup (write `0` to its
+//! `cgroup.procs`, opened by the parent), set its own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
+//! job cannot lower it again), `RLIMIT_NPROC` (only when no cgroup
+//! `pids.max` limits the job), `setsid`, `setgroups` (owner's full list),
 //! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
-//! succeeds, `umask`, `chdir`, open stdout/stderr **as the owner**
+//! succeeds, join a fresh session keyring (as `pam_keyinit` does for su,
+//! sudo and sshd: nothing of the agent's keyring, which under systemd is
+//! the unit's, reaches the job), `umask`, `chdir`, check the shell (a
+//! regular file the owner may execute), open stdout/stderr **as the owner**
 //! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
 //! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
 //! can watch their size for `max_output_bytes` without ever opening the
@@ -87,7 +93,83 @@ enum Step {
     OpenStderr,
     Dup,
     ScriptFd,
+    SessionKeyring = 16,
+    Signals = 17,
+    Nproc = 18,
+    Shell = 19,
+    ShellNotRegular = 20,
 }
+
+/// Highest signal number of the kernel (`_NSIG`; realtime signals included).
+const KERNEL_NSIG: libc::c_int = 64;
+
+/// The kernel's `struct sigaction` for `rt_sigaction(2)` on x86_64 and
+/// aarch64 (handler, flags, restorer, mask): the raw call also resets
+/// signals 32 and 33, which glibc and musl reserve and their `sigaction`
+/// refuses, but which a parent may have ignored.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+compile_error!("KernelSigaction has the layout of x86_64 and aarch64 only");
+
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// Sets every signal but SIGKILL/SIGSTOP (1..=[`KERNEL_NSIG`]) to `SIG_DFL`
+/// and unblocks all of them. Returns the errno of a failed call.
+///
+/// # Safety
+/// Async-signal-safe (raw `rt_sigaction`/`rt_sigprocmask` on stack data);
+/// call it in the forked child only (handlers of the parent are gone).
+unsafe fn reset_signals() -> Result<(), i32> {
+    let dfl = KernelSigaction {
+        handler: libc::SIG_DFL,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    let sigset_size = std::mem::size_of::<u64>();
+    for sig in 1..=KERNEL_NSIG {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: `dfl` is a valid kernel sigaction; no old action wanted.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                &dfl as *const KernelSigaction,
+                std::ptr::null_mut::<KernelSigaction>(),
+                sigset_size,
+            )
+        };
+        if r == -1 {
+            return Err(errno());
+        }
+    }
+    let empty: u64 = 0;
+    // SAFETY: a valid empty kernel sigset; no old mask wanted.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            sigset_size,
+        )
+    };
+    if r == -1 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
+/// `keyctl(2)` operation that joins a new anonymous session keyring when
+/// given a NULL name (`<linux/keyctl.h>`; not in the libc crate).
+const KEYCTL_JOIN_SESSION_KEYRING: libc::c_long = 1;
 
 fn step_name(step: u8, plan: &LaunchPlan) -> String {
     match step {
@@ -117,6 +199,17 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
         15 => format!(
             "stderr path {} is not a regular file (FIFO, socket or device): refused",
             plan.stderr.to_string_lossy()
+        ),
+        16 => "joining a new session keyring as the owner".into(),
+        17 => "resetting signal dispositions and the signal mask".into(),
+        18 => format!("setting RLIMIT_NPROC to {}", plan.pids_max),
+        19 => format!(
+            "checking shell {} as the owner",
+            plan.shell.to_string_lossy()
+        ),
+        20 => format!(
+            "shell {} is not a regular file: refused",
+            plan.shell.to_string_lossy()
         ),
         n => format!("unknown step {n}"),
     }
@@ -379,15 +472,23 @@ fn recv_fds(sock: &OwnedFd) -> std::io::Result<Vec<OwnedFd>> {
 }
 
 /// Starts the job of `plan`, in the cgroup whose `cgroup.procs` is open as
-/// `cgroup_procs` (if any). Returns its pid, which is also its process
-/// group and session id, and the output fds. Blocking (forks and waits for
-/// exec): call it from a blocking thread.
+/// `cgroup_procs` (if any). `rlimit_nproc`: the job's process limit when
+/// no `pids.max` enforces it; the child then sets `RLIMIT_NPROC` (soft and
+/// hard, so the job cannot raise it) before it drops privileges. The kernel
+/// counts that limit over every process of the owner's uid, not only the
+/// job's. Returns its pid, which is also its process group and session id,
+/// and the output fds. Blocking (forks and waits for exec): call it from a
+/// blocking thread.
 ///
 /// # Errors
 /// [`LaunchError::Prepare`] before fork, [`LaunchError::Child`] naming the
 /// failed step in the child, [`LaunchError::Exec`] if the shell cannot be
 /// executed.
-pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawned, LaunchError> {
+pub fn spawn(
+    plan: &LaunchPlan,
+    cgroup_procs: Option<&OwnedFd>,
+    rlimit_nproc: Option<u64>,
+) -> Result<Spawned, LaunchError> {
     let script = script_memfd(&plan.script)?;
     let script_fd = script.as_raw_fd();
     let (rd, wr) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
@@ -414,9 +515,14 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
     let groups: Vec<libc::gid_t> = plan.groups.clone();
     let (uid, gid, umask) = (plan.uid, plan.gid, plan.umask);
     let cwd = plan.cwd.clone();
+    let shell_path = plan.shell.clone();
     let stdout = plan.stdout.clone();
     let stderr = plan.stderr.clone();
     let join = plan.join;
+    let nproc = rlimit_nproc.map(|n| libc::rlimit {
+        rlim_cur: n as libc::rlim_t,
+        rlim_max: n as libc::rlim_t,
+    });
     let agent_oom = std::fs::read_to_string("/proc/self/oom_score_adj")
         .ok()
         .and_then(|v| v.trim().parse::<i32>().ok())
@@ -428,6 +534,9 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
         // data prepared before fork (no allocation, no locks); this closure
         // runs in the forked child only.
         unsafe {
+            if let Err(e) = reset_signals() {
+                return Err(fail(pipe_fd, Step::Signals, e));
+            }
             if cg_fd >= 0 && libc::write(cg_fd, b"0".as_ptr().cast(), 1) != 1 {
                 return Err(fail(pipe_fd, Step::Cgroup, errno()));
             }
@@ -442,6 +551,11 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
                 return Err(fail(pipe_fd, Step::OomScore, errno()));
             }
             libc::close(oom);
+            if let Some(limit) = &nproc {
+                if libc::setrlimit(libc::RLIMIT_NPROC, limit) == -1 {
+                    return Err(fail(pipe_fd, Step::Nproc, errno()));
+                }
+            }
             if libc::setsid() == -1 {
                 return Err(fail(pipe_fd, Step::Setsid, errno()));
             }
@@ -457,9 +571,35 @@ pub fn spawn(plan: &LaunchPlan, cgroup_procs: Option<&OwnedFd>) -> Result<Spawne
             if libc::setuid(0) != -1 || libc::setgid(0) != -1 || libc::geteuid() == 0 {
                 return Err(fail(pipe_fd, Step::RegainRoot, libc::EPERM));
             }
+            // After the uid switch, so the new keyring belongs to the owner
+            // (and counts against the owner's key quota). ENOSYS: a kernel
+            // without keys support has no keyring to inherit.
+            if libc::syscall(
+                libc::SYS_keyctl,
+                KEYCTL_JOIN_SESSION_KEYRING,
+                std::ptr::null::<libc::c_char>(),
+            ) == -1
+            {
+                let e = errno();
+                if e != libc::ENOSYS {
+                    return Err(fail(pipe_fd, Step::SessionKeyring, e));
+                }
+            }
             libc::umask(umask as libc::mode_t);
             if libc::chdir(cwd.as_ptr()) == -1 {
                 return Err(fail(pipe_fd, Step::Chdir, errno()));
+            }
+            // As the owner, before any output file is created: what exec
+            // would answer, and nothing the owner could not learn itself.
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::stat(shell_path.as_ptr(), &mut st) == -1 {
+                return Err(fail(pipe_fd, Step::Shell, errno()));
+            }
+            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                return Err(fail(pipe_fd, Step::ShellNotRegular, libc::EACCES));
+            }
+            if libc::access(shell_path.as_ptr(), libc::X_OK) == -1 {
+                return Err(fail(pipe_fd, Step::Shell, errno()));
             }
             let (out, err) = match join {
                 Join::Oe | Join::Eo => {

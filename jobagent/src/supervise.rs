@@ -8,7 +8,9 @@
 //!   (`/proc/self/cgroup` line `0::PATH` under the cgroup2 mount from
 //!   `/proc/self/mountinfo`; with systemd this needs `Delegate=yes`). Each
 //!   job gets `<agent cgroup>/vq-job-<agent pid>-<n>`, joined by the child
-//!   before it drops privileges, with optional `memory.max` and `cpu.max`.
+//!   before it drops privileges, with optional `memory.max` and `cpu.max`,
+//!   and `pids.max` = `job_pids_max` when the pids controller is available
+//!   (else the child sets `RLIMIT_NPROC`, as without a cgroup).
 //!   SIGTERM goes to every pid in `cgroup.procs`; SIGKILL is `cgroup.kill`.
 //!   If the agent's cgroup holds the agent itself and a controller must be
 //!   enabled, the agent first moves itself into `<agent cgroup>/vq-agent`
@@ -355,6 +357,8 @@ fn enable_controllers(host: &Host, base: &Path, controllers: &[&str]) -> Result<
 struct JobCgroup {
     path: PathBuf,
     procs: OwnedFd,
+    /// Whether `pids.max` enforces the job's process limit.
+    pids_max: bool,
 }
 
 impl JobCgroup {
@@ -365,6 +369,14 @@ impl JobCgroup {
         }
         if plan.cpu_quota_us > 0 {
             wanted.push("cpu");
+        }
+        // The process limit always applies; without the pids controller the
+        // child enforces it with RLIMIT_NPROC instead.
+        let available =
+            std::fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
+        let pids_max = available.split_whitespace().any(|c| c == "pids");
+        if pids_max {
+            wanted.push("pids");
         }
         if !wanted.is_empty() {
             enable_controllers(host, base, &wanted)?;
@@ -394,6 +406,11 @@ impl JobCgroup {
             .map_err(cg_err(format!("set cpu.max of {}", path.display())))
             .map_err(remove)?;
         }
+        if pids_max {
+            write_file(&path.join("pids.max"), &plan.pids_max.to_string())
+                .map_err(cg_err(format!("set pids.max of {}", path.display())))
+                .map_err(remove)?;
+        }
         let procs = OpenOptions::new()
             .write(true)
             .open(path.join("cgroup.procs"))
@@ -402,6 +419,7 @@ impl JobCgroup {
         Ok(JobCgroup {
             path,
             procs: procs.into(),
+            pids_max,
         })
     }
 }
@@ -684,6 +702,10 @@ pub async fn run_job(
     let spawned = {
         let plan = plan.clone();
         let procs = cgroup.as_ref().map(|c| c.procs.try_clone());
+        let rlimit_nproc = match &cgroup {
+            Some(cg) if cg.pids_max => None,
+            _ => Some(plan.pids_max),
+        };
         tokio::task::spawn_blocking(move || {
             let procs = match procs {
                 Some(Ok(fd)) => Some(fd),
@@ -695,7 +717,7 @@ pub async fn run_job(
                 }
                 None => None,
             };
-            spawn(&plan, procs.as_ref())
+            spawn(&plan, procs.as_ref(), rlimit_nproc)
         })
         .await
     };

@@ -1,13 +1,18 @@
-//! The seam between job planning and the host: user and group database and
-//! file-system probes. [`HostSys`] asks the real system; [`FakeSys`] is an
-//! in-memory fake that records every lookup, for unit tests of `plan`.
+//! The seam between job planning and the host: the user and group
+//! database. [`HostSys`] asks the real system; [`FakeSys`] is an in-memory
+//! fake that records every lookup, for unit tests of `plan`.
+//!
+//! There are no file-system probes: the agent runs as root, and an answer
+//! of root's ("does not exist" vs "permission denied") would tell a
+//! submitter about paths its owner cannot see. The job's working directory
+//! and shell are checked by the job's own process, as the owner
+//! ([`crate::spawn`]).
 //!
 //! Static musl builds read only `/etc/passwd`, `/etc/group` and nscd, so
 //! [`HostSys`] resolves users and groups through the host's `getent`
 //! ([`crate::identity`]) to see SSSD, LDAP or extrausers users too.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Mutex;
 
 use crate::error::NssError;
@@ -55,14 +60,10 @@ pub trait Sys: Send + Sync {
     /// # Errors
     /// [`NssError`] for a failed lookup.
     fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError>;
-    /// Whether `path` is a directory (following symlinks).
-    fn is_dir(&self, path: &Path) -> bool;
-    /// Whether `path` is a regular file (following symlinks).
-    fn is_file(&self, path: &Path) -> bool;
 }
 
 /// The real host: users and groups through [`Nss::host`] (getent, else
-/// libc), paths through `stat`.
+/// libc).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostSys;
 
@@ -78,17 +79,9 @@ impl Sys for HostSys {
     fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
         Nss::host().group_list(user, primary)
     }
-
-    fn is_dir(&self, path: &Path) -> bool {
-        path.is_dir()
-    }
-
-    fn is_file(&self, path: &Path) -> bool {
-        path.is_file()
-    }
 }
 
-/// In-memory host for tests: users, groups with members, existing paths.
+/// In-memory host for tests: users and groups with members.
 /// Every call is recorded in [`FakeSys::calls`].
 #[derive(Debug, Default)]
 pub struct FakeSys {
@@ -96,10 +89,6 @@ pub struct FakeSys {
     pub users: BTreeMap<String, UserEntry>,
     /// Groups by name, with member names.
     pub groups: BTreeMap<String, (GroupEntry, Vec<String>)>,
-    /// Existing directories.
-    pub dirs: Vec<String>,
-    /// Existing regular files.
-    pub files: Vec<String>,
     /// Recorded calls, e.g. `user_by_name(alice)`.
     pub calls: Mutex<Vec<String>>,
 }
@@ -112,9 +101,8 @@ impl FakeSys {
             .push(call);
     }
 
-    /// Adds a user with home `/home/<name>` (also added as a directory) and
-    /// shell `/bin/bash` (added as a file), in a primary group of the same
-    /// name and gid.
+    /// Adds a user with home `/home/<name>` and shell `/bin/bash`, in a
+    /// primary group of the same name and gid.
     pub fn with_user(mut self, name: &str, uid: u32) -> Self {
         let home = format!("/home/{name}");
         self.users.insert(
@@ -123,7 +111,7 @@ impl FakeSys {
                 name: name.into(),
                 uid,
                 gid: uid,
-                home: home.clone(),
+                home,
                 shell: "/bin/bash".into(),
             },
         );
@@ -137,8 +125,6 @@ impl FakeSys {
                 Vec::new(),
             ),
         );
-        self.dirs.push(home);
-        self.files.push("/bin/bash".into());
         self
     }
 
@@ -178,15 +164,5 @@ impl Sys for FakeSys {
             }
         }
         Ok(out)
-    }
-
-    fn is_dir(&self, path: &Path) -> bool {
-        self.record(format!("is_dir({})", path.display()));
-        self.dirs.iter().any(|d| Path::new(d) == path)
-    }
-
-    fn is_file(&self, path: &Path) -> bool {
-        self.record(format!("is_file({})", path.display()));
-        self.files.iter().any(|f| Path::new(f) == path)
     }
 }

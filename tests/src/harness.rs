@@ -792,6 +792,25 @@ pub fn start_agent(
     extra_toml: &str,
     env: &[(&str, &str)],
 ) -> anyhow::Result<AgentProcess> {
+    start_agent_wrapped(cluster, pool, agent_id, extra_toml, env, &[])
+}
+
+/// [`start_agent`] through `wrapper`: the agent's command line is appended
+/// to `wrapper` (program first), e.g. `["sh", "-c", "trap '' HUP; exec \"$@\"",
+/// "wrap"]`, so a test can start it the way `nohup` or `keyctl session`
+/// would. The wrapper must `exec` the agent (the guard signals its pid).
+/// An empty `wrapper` runs the agent directly.
+///
+/// # Errors
+/// If the binary cannot be built or started.
+pub fn start_agent_wrapped(
+    cluster: &str,
+    pool: &str,
+    agent_id: &str,
+    extra_toml: &str,
+    env: &[(&str, &str)],
+    wrapper: &[&str],
+) -> anyhow::Result<AgentProcess> {
     let bin = build_bin("vq-jobagent", "jobagent")?;
     let dir = tempfile::tempdir()?;
     let config = dir.path().join("jobagent.toml");
@@ -809,7 +828,14 @@ pub fn start_agent(
         &identity,
         format!("cluster = \"{cluster}\"\npool = \"{pool}\"\nagent_id = \"{agent_id}\"\n"),
     )?;
-    let mut cmd = Command::new(bin);
+    let mut cmd = match wrapper.split_first() {
+        None => Command::new(bin),
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg(bin);
+            cmd
+        }
+    };
     cmd.arg("--config")
         .arg(&config)
         .arg("--identity")

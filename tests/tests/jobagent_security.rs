@@ -3,7 +3,10 @@
 //! as the owner (symlinks, unwritable and unenterable directories), the
 //! agent's environment and state directory, regaining root, the output cap,
 //! oom_score_adj, processes that escape with `setsid` (with and without
-//! cgroup v2), and jobs left behind by an agent that was SIGKILLed.
+//! cgroup v2), jobs left behind by an agent that was SIGKILLed, and
+//! (issue 9) nothing of root's reaching a job: its session keyring, its
+//! ignored signals, unlimited processes (fork bombs),
+//! and root's answers about paths its owner cannot see.
 //!
 //! Run as root:
 //! `cargo test -p vq-tests --test jobagent_security -- --include-ignored`.
@@ -17,7 +20,8 @@ use anyhow::{bail, Context};
 use vq_common::messages::Join;
 use vq_tests::harness::{
     broker_url, ensure_group, ensure_test_user, job, require_root, start_agent, start_agent_in,
-    unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap, TestBroker, TestUser,
+    start_agent_wrapped, unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap,
+    TestBroker, TestUser,
 };
 
 const POOL: &str = "sec";
@@ -314,13 +318,24 @@ async fn hostile_owners_groups_and_variables_are_refused_with_reasons() -> anyho
         (denied_job.id.as_str(), "deny_groups"),
         (root_group.id.as_str(), "group"),
         (eq_var.id.as_str(), "variable name"),
-        (missing_dir.id.as_str(), "does not exist"),
         (relative.id.as_str(), "absolute"),
     ] {
         let ev = s.tap.job_event(id, "failed", EVENT_WAIT).await?;
         let reason = ev["reason"].as_str().unwrap_or_default();
         assert!(reason.contains(needle), "{id}: {reason:?} lacks {needle:?}");
     }
+    // The working directory is checked by the job's process, as the owner.
+    let fin = s
+        .tap
+        .job_event(&missing_dir.id, "finished", EVENT_WAIT)
+        .await?;
+    assert_eq!(fin["outcome"]["kind"], "failed_to_start", "{fin}");
+    let reason = fin["outcome"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("chdir to /nonexistent/vq-workdir as the owner")
+            && reason.contains("No such file"),
+        "{reason}"
+    );
     drop(s.agent);
     s.broker.cleanup().await;
     Ok(())
@@ -722,4 +737,315 @@ async fn a_restarted_agent_kills_what_is_left_of_its_previous_jobs() -> anyhow::
     }
     leftovers_of_a_killed_agent(true).await?;
     leftovers_of_a_killed_agent(false).await
+}
+
+// ------------------------------------------- nothing of root's reaches a job
+
+/// Installs keyutils (`keyctl`) when it is missing: the keyring test needs
+/// it on the test host and inside the jobs (`apt-get install keyutils`).
+fn ensure_keyctl() -> anyhow::Result<()> {
+    let have = || {
+        Command::new("sh")
+            .args(["-c", "command -v keyctl"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if have() {
+        return Ok(());
+    }
+    for step in [
+        &["update", "-qq"][..],
+        &["install", "-y", "-q", "keyutils"][..],
+    ] {
+        Command::new("apt-get")
+            .args(step)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .context("apt-get install keyutils")?;
+    }
+    if !have() {
+        bail!("keyutils (keyctl) is needed for this test and could not be installed");
+    }
+    Ok(())
+}
+
+/// Waits for the final event (`failed` or `finished`) of `id` and returns
+/// its reason: the `failed` event's, or the `failed_to_start` outcome's.
+async fn final_reason(tap: &mut EventTap, id: &str) -> anyhow::Result<String> {
+    let ev = tap
+        .wait_for(EVENT_WAIT, &format!("final event of {id}"), |k, v| {
+            k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == id
+        })
+        .await?;
+    Ok(ev["reason"]
+        .as_str()
+        .or(ev["outcome"]["reason"].as_str())
+        .unwrap_or_default()
+        .to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_owner_is_seen(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    ensure_keyctl()?;
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let bob = ensure_test_user("vqt-keyb", 2471)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-key");
+    // The agent runs in a session keyring that holds a key of root's, as
+    // under systemd (the unit's keyring) or after a root login.
+    let secret = format!("root-secret-{:08x}", rand::random::<u32>());
+    let add = format!("keyctl add user vq-root-key {secret} @s >/dev/null && exec \"$@\"");
+    let agent = start_agent_wrapped(
+        &cluster,
+        POOL,
+        &agent_id,
+        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        &[],
+        &[
+            "keyctl",
+            "session",
+            "-",
+            "sh",
+            "-c",
+            &add,
+            "vq-keyring-wrap",
+        ],
+    )?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+
+    let probe = |key: &str, tag: &str| {
+        format!(
+            "if id=$(keyctl search @s user {key} 2>/dev/null); then echo {tag}-FOUND; keyctl print \"$id\"; else echo {tag}-hidden; fi\n\
+             grep -q ' {key}: ' /proc/keys && echo {tag}-LISTED || echo {tag}-unlisted\n"
+        )
+    };
+    let a = job(
+        POOL,
+        &alice.name,
+        "keya",
+        &format!(
+            "{}keyctl add user vq-alice-key alice-secret @s >/dev/null && echo alice-key-added\n",
+            probe("vq-root-key", "root")
+        ),
+    );
+    broker.publish_job(&a, Some("guest")).await?;
+    let fin = tap.job_event(&a.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out_a = read(&alice.home.join(format!("keya.o{}", a.seq())));
+    let b = job(
+        POOL,
+        &bob.name,
+        "keyb",
+        &format!(
+            "{}{}",
+            probe("vq-alice-key", "alice"),
+            probe("vq-root-key", "root")
+        ),
+    );
+    broker.publish_job(&b, Some("guest")).await?;
+    let fin = tap.job_event(&b.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out_b = read(&bob.home.join(format!("keyb.o{}", b.seq())));
+    for (out, want) in [
+        (&out_a, "root-hidden\nroot-unlisted\nalice-key-added\n"),
+        (
+            &out_b,
+            "alice-hidden\nalice-unlisted\nroot-hidden\nroot-unlisted\n",
+        ),
+    ] {
+        assert!(!out.contains(&secret), "root's key reached a job:\n{out}");
+        assert_eq!(out.as_str(), want, "job output");
+    }
+    remove_outputs(&alice.home, "keya", a.seq());
+    remove_outputs(&bob.home, "keyb", b.seq());
+    drop(agent);
+    broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_of_an_agent_started_with_signals_ignored_starts_with_default_signals_and_no_mask(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-sig");
+    // As `nohup` or a background start from a script would leave them.
+    let agent = start_agent_wrapped(
+        &cluster,
+        POOL,
+        &agent_id,
+        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        &[],
+        &[
+            "sh",
+            "-c",
+            "trap '' HUP QUIT USR2 PIPE; exec \"$@\"",
+            "vq-nohup-wrap",
+        ],
+    )?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.guard.id()))?;
+    let ignored = status
+        .lines()
+        .find(|l| l.starts_with("SigIgn:"))
+        .unwrap_or_default()
+        .to_string();
+    wait_agent_up(&mut tap, &agent_id).await?;
+    let j = job(
+        POOL,
+        &alice.name,
+        "signals",
+        "grep -E '^Sig(Ign|Blk):' /proc/self/status\n",
+    );
+    broker.publish_job(&j, Some("guest")).await?;
+    let fin = tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    let out = read(&alice.home.join(format!("signals.o{}", j.seq())));
+    assert_eq!(
+        out, "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n",
+        "the agent ran with {ignored}"
+    );
+    remove_outputs(&alice.home, "signals", j.seq());
+    drop(agent);
+    broker.cleanup().await;
+    Ok(())
+}
+
+async fn a_fork_bomb_stops_at_the_process_limit(cgroups: bool) -> anyhow::Result<()> {
+    const LIMIT: usize = 20;
+    const TRIES: usize = 200;
+    let forker = ensure_test_user("vqt-forker", 2472)?;
+    let mut s = setup(&format!("cgroups = {cgroups}\njob_pids_max = {LIMIT}"), &[]).await?;
+    // Forks children that sleep until it fails or reaches TRIES, reports the
+    // count, then waits to be cancelled.
+    let script = format!(
+        "exec perl -e '$0 = \"vq-forkbomb\"; $| = 1; $n = 0;\n\
+         for (1..{TRIES}) {{ $p = fork; last unless defined $p; if ($p == 0) {{ sleep 120; exit 0 }} $n++ }}\n\
+         print \"forked $n\\n\"; sleep 120'\n"
+    );
+    let j = job(POOL, &forker.name, "forkbomb", &script);
+    s.broker.publish_job(&j, Some("guest")).await?;
+    s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
+    let out_path = forker.home.join(format!("forkbomb.o{}", j.seq()));
+    // Synchronise on the job's report (it prints once its forks are done).
+    let deadline = std::time::Instant::now() + EVENT_WAIT;
+    let out = loop {
+        let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+        if out.ends_with('\n') || std::time::Instant::now() >= deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let forked: usize = out
+        .trim()
+        .strip_prefix("forked ")
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("job output {out:?}"))?;
+    eprintln!("cgroups = {cgroups}: {forked} of {TRIES} forks succeeded (job_pids_max = {LIMIT})");
+    assert!(
+        forked < LIMIT,
+        "cgroups = {cgroups}: {forked} forks succeeded with job_pids_max = {LIMIT}"
+    );
+    // The agent (root, outside the job's limit) still cancels and reports.
+    s.broker
+        .publish_control(
+            &s.agent.agent_id,
+            &vq_common::messages::Control::Cancel {
+                job_id: j.id.clone(),
+            },
+        )
+        .await?;
+    s.tap.job_event(&j.id, "cancelled", EVENT_WAIT).await?;
+    let left = live_pids(forker.uid, "vq-forkbomb");
+    assert!(left.is_empty(), "processes outlived the job: {left:?}");
+    remove_outputs(&forker.home, "forkbomb", j.seq());
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_fork_bomb_stops_at_job_pids_max_and_the_agent_still_cancels_it() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    // With cgroups: pids.max where the pids controller is delegated, else
+    // RLIMIT_NPROC; without: RLIMIT_NPROC.
+    a_fork_bomb_stops_at_the_process_limit(true).await?;
+    a_fork_bomb_stops_at_the_process_limit(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn workdir_and_shell_paths_the_owner_cannot_reach_fail_alike_whether_or_not_they_exist(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let alice = s.alice.clone();
+    // A directory only root can enter, like /root, holding a directory and
+    // a shell the owner must not learn about.
+    let private = tempfile::Builder::new()
+        .prefix("vq-private-")
+        .tempdir_in("/root")?;
+    std::fs::set_permissions(
+        private.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )?;
+    let exists = private.path().join("exists");
+    std::fs::create_dir(&exists)?;
+    let shell = private.path().join("sh");
+    std::fs::copy("/bin/sh", &shell)?;
+    let (missing, no_shell) = (private.path().join("missing"), private.path().join("nosh"));
+    let mut jobs = Vec::new();
+    for (what, path) in [
+        ("wd", &exists),
+        ("wd", &missing),
+        ("sh", &shell),
+        ("sh", &no_shell),
+    ] {
+        let mut j = job(POOL, &alice.name, &format!("probe{what}"), "echo ran");
+        if what == "wd" {
+            j.workdir = Some(path.display().to_string());
+            j.stdout = Some(alice.home.join("probe.out").display().to_string());
+            j.stderr = Some(alice.home.join("probe.err").display().to_string());
+        } else {
+            j.shell = Some(path.display().to_string());
+        }
+        s.broker.publish_job(&j, Some("guest")).await?;
+        jobs.push((j, path.display().to_string()));
+    }
+    let mut reasons = Vec::new();
+    for (j, path) in &jobs {
+        let reason = final_reason(&mut s.tap, &j.id).await?;
+        assert!(
+            !reason.contains("does not exist"),
+            "{path}: {reason:?} says whether it exists"
+        );
+        reasons.push(reason.replace(path.as_str(), "<path>"));
+    }
+    assert_eq!(reasons[0], reasons[1], "workdir reasons differ");
+    assert_eq!(reasons[2], reasons[3], "shell reasons differ");
+    for (j, _) in &jobs {
+        remove_outputs(&alice.home, &j.name, j.seq());
+    }
+    let _ = std::fs::remove_file(alice.home.join("probe.out"));
+    let _ = std::fs::remove_file(alice.home.join("probe.err"));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
 }
