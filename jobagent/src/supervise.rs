@@ -51,6 +51,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nix::fcntl::OFlag;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
@@ -61,10 +62,12 @@ use vq_common::config::AgentConfig;
 use vq_common::messages::{Outcome, Usage};
 
 use crate::error::{chain, LaunchError};
+use crate::output;
 use crate::plan::{LaunchPlan, CPU_PERIOD_US};
-use crate::spawn::{leaders, spawn, wait_child, Reaped, AGENT_OOM_SCORE_ADJ};
+use crate::spawn::{leaders, spawn, wait_child, OutputStream, Reaped, AGENT_OOM_SCORE_ADJ};
 
-/// How often a running job's output size is checked and zombies are swept.
+/// How often zombies are swept (and, without a cgroup, the job's
+/// processes recorded).
 pub const TICK: Duration = Duration::from_secs(1);
 
 /// Name of the leaf cgroup the agent moves itself into when it must enable
@@ -635,19 +638,76 @@ fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path
     }
 }
 
-fn output_over(outputs: &[OwnedFd], cap: u64) -> bool {
-    cap > 0
-        && outputs
-            .iter()
-            .any(|fd| nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_size.max(0) as u64 > cap))
+/// The copiers of a job's output streams ([`crate::output`]).
+struct Outputs {
+    /// Cancelled by the first stream that exceeds the cap.
+    over: CancellationToken,
+    /// Dropped to make the copiers give up (a leftover holds a pipe).
+    stop: Option<OwnedFd>,
+    copiers: Vec<tokio::task::JoinHandle<std::io::Result<output::Copied>>>,
+}
+
+impl Outputs {
+    /// The stop pipe (read end, write end), made before the job starts.
+    fn stop_pipe() -> Result<(OwnedFd, OwnedFd), LaunchError> {
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
+            what: "create the output stop pipe",
+            source: e.into(),
+        })
+    }
+
+    /// Starts one copier per stream, each on a blocking thread.
+    fn start(streams: Vec<OutputStream>, cap: u64, (stop_rd, stop_wr): (OwnedFd, OwnedFd)) -> Self {
+        let stop_rd = std::sync::Arc::new(stop_rd);
+        let over = CancellationToken::new();
+        let copiers = streams
+            .into_iter()
+            .map(|s| {
+                let (stop, over) = (stop_rd.clone(), over.clone());
+                if s.file.is_none() {
+                    warn!("the job's output file did not arrive; its output is dropped");
+                }
+                tokio::task::spawn_blocking(move || {
+                    output::copy_capped(&s.pipe, s.file.as_ref(), cap, &stop, &over)
+                })
+            })
+            .collect();
+        Outputs {
+            over,
+            stop: Some(stop_wr),
+            copiers,
+        }
+    }
+
+    /// Waits (at most [`output::DRAIN_AFTER_END`]) until every stream
+    /// reached end of file, then stops the copiers. Returns whether a stream
+    /// exceeded the cap.
+    async fn finish(mut self) -> bool {
+        let all = futures_util::future::join_all(self.copiers.iter_mut());
+        if tokio::time::timeout(output::DRAIN_AFTER_END, all)
+            .await
+            .is_err()
+        {
+            warn!(
+                "a process that is not the job's keeps its output pipe open: output copy stopped"
+            );
+            drop(self.stop.take());
+            for c in &mut self.copiers {
+                let _ = c.await;
+            }
+        }
+        self.over.is_cancelled()
+    }
 }
 
 /// Starts the job of `plan` (calling `on_start` with its leader pid) and
 /// supervises it to its end. After `plan.walltime` (monotonic, from
-/// `started`), when `cancel` fires, or when an output file exceeds
-/// `plan.max_output_bytes`, every process of the job gets SIGTERM, then
-/// SIGKILL `plan.kill_grace` later. Returns the outcome and usage (wall
-/// time from `started`); a start failure is `Outcome::FailedToStart`.
+/// `started`), when `cancel` fires, or when an output stream exceeds
+/// `plan.max_output_bytes` (the file is never written past it, see
+/// [`crate::output`]), every process of the job gets SIGTERM, then SIGKILL
+/// `plan.kill_grace` later. Returns, once the output files are complete,
+/// the outcome and usage (wall time from `started` to the leader's end); a
+/// start failure is `Outcome::FailedToStart`.
 pub async fn run_job(
     plan: LaunchPlan,
     started: Instant,
@@ -662,6 +722,10 @@ pub async fn run_job(
                 ..Usage::default()
             },
         )
+    };
+    let stop_pipe = match Outputs::stop_pipe() {
+        Ok(p) => p,
+        Err(e) => return failed(&e),
     };
     let host = host(plan.cgroups);
     let wants_limits = plan.memory_max_bytes > 0 || plan.cpu_quota_us > 0;
@@ -717,6 +781,7 @@ pub async fn run_job(
         }
     };
     let pid = spawned.pid;
+    let outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe);
     on_start(pid);
     let mut record = Record {
         job_id: plan.job_id.clone(),
@@ -733,16 +798,13 @@ pub async fn run_job(
         uid: plan.uid,
         cgroup: cgroup.as_ref(),
     };
-    let result = supervise(
-        &members,
-        &spawned.outputs,
-        &plan,
-        &mut record,
-        started,
-        cancel,
-    )
-    .await;
+    let (reaped, wall, stop) =
+        supervise(&members, &outputs.over, &plan, &mut record, started, cancel).await;
     members.finish_off(plan.kill_grace).await;
+    // Output is complete before the job is reported.
+    let over = outputs.finish().await;
+    let stop = stop.or(over.then_some(Stop::OutputLimit));
+    let result = finish(pid, wall, reaped, stop);
     if let Some(cg) = &cgroup {
         for _ in 0..50 {
             match std::fs::remove_dir(&cg.path) {
@@ -755,33 +817,35 @@ pub async fn run_job(
     result
 }
 
+/// What the job leader's waiter thread returns.
+type Waited = Result<std::io::Result<Reaped>, tokio::task::JoinError>;
+
+/// Waits for the job leader, stopping the job on walltime, cancel or when
+/// `over` (an output stream exceeded the cap) fires. Returns the wait
+/// result, the wall time at the leader's end, seconds, and why the agent
+/// stopped the job (`None`: it ended by itself).
 async fn supervise(
     members: &Members<'_>,
-    outputs: &[OwnedFd],
+    over: &CancellationToken,
     plan: &LaunchPlan,
     record: &mut Record,
     started: Instant,
     cancel: CancellationToken,
-) -> (Outcome, Usage) {
+) -> (Waited, f64, Option<Stop>) {
     let pid = members.leader;
     let mut waiter = tokio::task::spawn_blocking(move || wait_child(pid));
     let deadline = tokio::time::Instant::from_std(started + plan.walltime);
     let mut tick = tokio::time::interval(TICK);
     let stop = loop {
         tokio::select! {
-            r = &mut waiter => {
-                let over = output_over(outputs, plan.max_output_bytes);
-                return finish(pid, started, r, over.then_some(Stop::OutputLimit));
-            }
+            r = &mut waiter => return (r, started.elapsed().as_secs_f64(), None),
             _ = tokio::time::sleep_until(deadline) => break Stop::Walltime,
             _ = cancel.cancelled() => break Stop::Cancelled,
+            _ = over.cancelled() => break Stop::OutputLimit,
             _ = tick.tick() => {
                 sweep_zombies(members.host.agent_pid);
                 if members.cgroup.is_none() {
                     remember_members(members, record, &plan.state_dir);
-                }
-                if output_over(outputs, plan.max_output_bytes) {
-                    break Stop::OutputLimit;
                 }
             }
         }
@@ -796,16 +860,11 @@ async fn supervise(
             waiter.await
         }
     };
-    finish(pid, started, r, Some(stop))
+    (r, started.elapsed().as_secs_f64(), Some(stop))
 }
 
-fn finish(
-    pid: Pid,
-    started: Instant,
-    r: Result<std::io::Result<Reaped>, tokio::task::JoinError>,
-    stop: Option<Stop>,
-) -> (Outcome, Usage) {
-    let wall = started.elapsed().as_secs_f64();
+/// The outcome and usage of a job whose leader ended after `wall` seconds.
+fn finish(pid: Pid, wall: f64, r: Waited, stop: Option<Stop>) -> (Outcome, Usage) {
     let reaped = match r {
         Ok(Ok(reaped)) => reaped,
         Ok(Err(e)) => {
@@ -862,16 +921,6 @@ mod tests {
         assert_eq!(st.ppid, nix::unistd::getppid().as_raw());
         assert!(st.starttime > 0);
         assert_eq!(proc_uid(me), Some(nix::unistd::getuid().as_raw()));
-    }
-
-    #[test]
-    fn an_output_fd_over_the_cap_is_detected() {
-        let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&[b'x'; 100]).unwrap();
-        let fds = vec![OwnedFd::from(f)];
-        assert!(output_over(&fds, 99));
-        assert!(!output_over(&fds, 100));
-        assert!(!output_over(&fds, 0), "0 disables the cap");
     }
 
     #[test]
