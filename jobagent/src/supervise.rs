@@ -9,7 +9,8 @@
 //!   `/proc/self/mountinfo`; with systemd this needs `Delegate=yes`). Each
 //!   job gets `<agent cgroup>/vq-job-<agent pid>-<n>`, joined by the child
 //!   before it drops privileges, with optional `memory.max` and `cpu.max`.
-//!   SIGTERM goes to every pid in `cgroup.procs`; SIGKILL is `cgroup.kill`.
+//!   SIGTERM goes to every process in `cgroup.procs`; SIGKILL is
+//!   `cgroup.kill` (Linux 5.14; before it, SIGKILL goes the SIGTERM way).
 //!   If the agent's cgroup holds the agent itself and a controller must be
 //!   enabled, the agent first moves itself into `<agent cgroup>/vq-agent`
 //!   (cgroup v2's no-internal-processes rule).
@@ -21,6 +22,18 @@
 //!   parent died is therefore found. Limitation: with two jobs of the same
 //!   owner running at once, an orphan of one is also attributed to the
 //!   other (use cgroups to avoid it).
+//!
+//! # How processes are signalled
+//! Never by a bare pid read earlier: every process found (in
+//! `cgroup.procs` or by the `/proc` scan) is pinned by a pidfd
+//! (`pidfd_open`, Linux 5.3) and kept only if `/proc` read *after* the open
+//! still shows it as the job's (in the job's cgroup, or with the start time
+//! the scan saw) while the pidfd's process is still running; the signal then
+//! goes through `pidfd_send_signal`, so a process that ended meanwhile gets
+//! nothing and a process that got its pid is never signalled. The leader's
+//! process group is signalled with `killpg` only while the leader is
+//! unreaped (its pid, the group id, cannot be reused then). Only kernels
+//! without `pidfd_open` fall back to `kill(2)` right after the check.
 //!
 //! # How a job ends
 //! The job ends when its main process (the shell) exits. Any process of the
@@ -238,10 +251,10 @@ fn sweep_zombies(agent_pid: i32) -> usize {
     reaped
 }
 
-/// Live (non-zombie) processes of a job without a cgroup: its process group
-/// and session, orphans of `uid` reparented to the agent, and all their
-/// descendants.
-fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<i32> {
+/// Live (non-zombie) processes of a job without a cgroup, as `(pid, start
+/// time)`: its process group and session, orphans of `uid` reparented to
+/// the agent, and all their descendants.
+fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
     let leaders = leaders().clone();
     let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
     for pid in all_pids() {
@@ -271,7 +284,11 @@ fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<i32> {
     }
     members
         .into_iter()
-        .filter(|p| *p != agent_pid && stats.get(p).is_some_and(|s| s.state != 'Z'))
+        .filter(|p| *p != agent_pid)
+        .filter_map(|p| {
+            let st = stats.get(&p)?;
+            (st.state != 'Z').then_some((p, st.starttime))
+        })
         .collect()
 }
 
@@ -417,13 +434,100 @@ fn cgroup_pids(path: &Path) -> Vec<i32> {
         .collect()
 }
 
+/// SIGKILL to every process of the cgroup at `path`: `cgroup.kill` (Linux
+/// 5.14), else through pidfds of its listed members (callers loop).
 fn cgroup_kill(path: &Path) {
     if write_file(&path.join("cgroup.kill"), "1").is_err() {
-        // Kernels before 5.14: kill what is listed (repeat callers loop).
-        for pid in cgroup_pids(path) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        for p in cgroup_procs(path) {
+            p.signal(Signal::SIGKILL);
         }
     }
+}
+
+/// The processes listed in the cgroup at `path`, each pinned by a pidfd
+/// and checked (after the open) to be in that cgroup.
+fn cgroup_procs(path: &Path) -> Vec<JobProc> {
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    cgroup_pids(path)
+        .into_iter()
+        .filter_map(|pid| JobProc::open(pid, |p| in_cgroup(p, &name)))
+        .collect()
+}
+
+/// Whether the cgroup v2 of `pid` is the one named `name` (job cgroups
+/// have agent-unique names and no children).
+fn in_cgroup(pid: i32, name: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|t| {
+        t.lines()
+            .filter_map(|l| l.strip_prefix("0::"))
+            .any(|rel| rel.trim_end().rsplit('/').next() == Some(name))
+    })
+}
+
+// ----------------------------------------------------------- signalling
+
+/// A process of a job, pinned by a pidfd opened when it was found, so a
+/// signal never reaches another process that got its pid later.
+#[derive(Debug)]
+struct JobProc {
+    pid: i32,
+    /// `None` only on kernels without `pidfd_open` (before 5.3).
+    fd: Option<OwnedFd>,
+}
+
+impl JobProc {
+    /// Opens a pidfd for `pid` and keeps it if `is_it(pid)` (which reads
+    /// `/proc/<pid>`) holds **after** the open and the pidfd's process has
+    /// still not exited after that check: what `is_it` read was then the
+    /// pidfd's process, not a successor with the recycled pid.
+    fn open(pid: i32, is_it: impl Fn(i32) -> bool) -> Option<Self> {
+        let rpid = rustix::process::Pid::from_raw(pid)?;
+        match rustix::process::pidfd_open(rpid, rustix::process::PidfdFlags::empty()) {
+            Ok(fd) => (is_it(pid) && !pidfd_exited(&fd)).then_some(JobProc { pid, fd: Some(fd) }),
+            Err(rustix::io::Errno::NOSYS) => is_it(pid).then_some(JobProc { pid, fd: None }),
+            Err(_) => None,
+        }
+    }
+
+    /// Sends `sig` through the pidfd (a process that ended meanwhile gets
+    /// nothing: `ESRCH`).
+    fn signal(&self, sig: Signal) {
+        match (
+            &self.fd,
+            rustix::process::Signal::from_named_raw(sig as i32),
+        ) {
+            (Some(fd), Some(rsig)) => {
+                let _ = rustix::process::pidfd_send_signal(fd, rsig);
+            }
+            // Kernels before 5.3 only: the pid was checked just now.
+            _ => {
+                let _ = kill(Pid::from_raw(self.pid), sig);
+            }
+        }
+    }
+}
+
+/// Whether the process of `pidfd` has exited (a pidfd polls readable then).
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+    !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+}
+
+/// Pins the processes `(pid, starttime)` found by a `/proc` scan: each one
+/// whose pid still belongs to a live process started at that time.
+fn pin_found(found: impl IntoIterator<Item = (i32, u64)>) -> Vec<JobProc> {
+    found
+        .into_iter()
+        .filter_map(|(pid, start)| {
+            JobProc::open(pid, |p| {
+                proc_stat(p).is_some_and(|st| st.starttime == start && st.state != 'Z')
+            })
+        })
+        .collect()
 }
 
 // ------------------------------------------------------------- records
@@ -538,10 +642,15 @@ fn reap(path: &Path) {
                     doomed.extend(more);
                 }
                 doomed.remove(&(std::process::id() as i32));
-                for pid in &doomed {
-                    let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                let pinned = pin_found(
+                    doomed
+                        .iter()
+                        .filter_map(|p| Some((*p, stats.get(p)?.starttime))),
+                );
+                for p in &pinned {
+                    p.signal(Signal::SIGKILL);
                 }
-                killed = doomed.len();
+                killed = pinned.len();
             }
         }
         warn!(job_id = %rec.job_id, pid = rec.pid, processes = killed, "killed what was left of a job of a previous agent");
@@ -560,16 +669,35 @@ struct Members<'a> {
 }
 
 impl Members<'_> {
+    /// Pids of the job's processes now (for counting and records).
     fn live(&self) -> Vec<i32> {
         match self.cgroup {
             Some(cg) => cgroup_pids(&cg.path),
-            None => fallback_members(self.leader.as_raw(), self.uid, self.host.agent_pid),
+            None => fallback_members(self.leader.as_raw(), self.uid, self.host.agent_pid)
+                .into_iter()
+                .map(|(pid, _)| pid)
+                .collect(),
         }
     }
 
-    /// Sends `sig` to every process of the job; `group` also signals the
-    /// leader's process group (only while the leader is not yet reaped, so
-    /// its pid cannot have been reused).
+    /// The job's processes now, pinned by pidfds for signalling.
+    fn pinned(&self) -> Vec<JobProc> {
+        match self.cgroup {
+            Some(cg) => cgroup_procs(&cg.path),
+            None => pin_found(fallback_members(
+                self.leader.as_raw(),
+                self.uid,
+                self.host.agent_pid,
+            )),
+        }
+    }
+
+    /// Sends `sig` to every process of the job: SIGKILL through
+    /// `cgroup.kill` where the job has a cgroup, and to every process found
+    /// through a pidfd opened when it was found, never by a bare pid;
+    /// `group` also signals the leader's process group (only while the
+    /// leader is not yet reaped: a pid in use as a process group id is never
+    /// given to a new process).
     fn signal(&self, sig: Signal, group: bool) {
         if sig == Signal::SIGKILL {
             if let Some(cg) = self.cgroup {
@@ -584,8 +712,8 @@ impl Members<'_> {
                 }
             }
         }
-        for pid in self.live() {
-            let _ = kill(Pid::from_raw(pid), sig);
+        for p in self.pinned() {
+            p.signal(sig);
         }
     }
 
@@ -627,11 +755,7 @@ impl Members<'_> {
 /// Without a cgroup: records the job's current processes so a restarted
 /// agent can find processes that escaped the session.
 fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path) {
-    let now: Vec<(i32, u64)> = members
-        .live()
-        .into_iter()
-        .filter_map(|p| Some((p, proc_stat(p)?.starttime)))
-        .collect();
+    let now = fallback_members(members.leader.as_raw(), members.uid, members.host.agent_pid);
     if now != record.members {
         record.members = now;
         write_record(state_dir, record);
@@ -921,6 +1045,65 @@ mod tests {
         assert_eq!(st.ppid, nix::unistd::getppid().as_raw());
         assert!(st.starttime > 0);
         assert_eq!(proc_uid(me), Some(nix::unistd::getuid().as_raw()));
+    }
+
+    /// Starts `sleep 1000` with the pid `want` (root: through
+    /// `ns_last_pid`; other processes of the host may take the pid first,
+    /// so it retries). `None` if the pid could not be had.
+    fn spawn_with_pid(want: i32) -> Option<std::process::Child> {
+        for _ in 0..200 {
+            std::fs::write("/proc/sys/kernel/ns_last_pid", (want - 1).to_string()).ok()?;
+            let mut child = std::process::Command::new("sleep")
+                .arg("1000")
+                .spawn()
+                .ok()?;
+            if child.id() as i32 == want {
+                return Some(child);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        None
+    }
+
+    #[test]
+    #[ignore = "needs root (ns_last_pid)"]
+    fn a_found_process_whose_pid_was_recycled_is_never_signalled() {
+        use std::os::unix::process::ExitStatusExt;
+        // A process of a job is found (as every kill path finds them) ...
+        let mut found = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let pid = found.id() as i32;
+        let start = proc_stat(pid).unwrap().starttime;
+        let pinned = pin_found([(pid, start)]);
+        assert_eq!(pinned.len(), 1);
+        // ... then exits, and an unrelated process gets its pid ...
+        found.kill().unwrap();
+        found.wait().unwrap();
+        let mut unrelated = spawn_with_pid(pid).expect("pid reused");
+        // ... before the job is killed: the unrelated process is spared.
+        for p in &pinned {
+            p.signal(Signal::SIGKILL);
+        }
+        // A SIGKILL sent above would be the fatal signal; ours comes later.
+        kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+        let status = unrelated.wait().unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(Signal::SIGTERM as i32),
+            "the process that got the recycled pid was signalled by the kill path"
+        );
+        // And a live one found is signalled.
+        let mut live = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let lpid = live.id() as i32;
+        let pinned = pin_found([(lpid, proc_stat(lpid).unwrap().starttime)]);
+        pinned[0].signal(Signal::SIGKILL);
+        assert_eq!(live.wait().unwrap().signal(), Some(Signal::SIGKILL as i32));
     }
 
     #[test]
