@@ -370,8 +370,9 @@ pub struct AgentConfig {
     pub allow_group_zero: bool,
     /// Cap on the size of each of a job's stdout/stderr files, bytes; a job
     /// whose output grows past it is stopped with outcome `output-limit`.
-    /// Checked every second, so a fast writer can overshoot by what it
-    /// writes in one second. 0 disables the cap.
+    /// The agent copies the job's output pipes into the files and never
+    /// writes past the cap (no slack: a file holds at most this many bytes,
+    /// the first ones). 0 disables the cap.
     pub max_output_bytes: u64,
     /// Whether to put every job into its own cgroup v2 (under the agent's
     /// own cgroup, e.g. a systemd unit with `Delegate=yes`) when the cgroup

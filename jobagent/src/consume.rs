@@ -58,7 +58,7 @@ use vq_common::messages::{
 use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 
 use crate::error::{chain, Rejection};
-use crate::plan::{plan_job, LaunchPlan};
+use crate::plan::{plan_job_async, LaunchPlan};
 use crate::report::{
     dead_letter_properties, header_str, header_u32, job_event, lease_properties, with_header_str,
     with_header_u32, SUBMITTER_HEADER,
@@ -273,7 +273,7 @@ pub(crate) async fn handle_delivery(
         let pool_queue = ctx.topo.pool_queue(&ctx.cfg.pool);
         let refused = match decoded {
             Err(e) => Some((None, Rejection::Malformed(e))),
-            Ok(job) => match plan_job(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys) {
+            Ok(job) => match plan_job_async(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys).await {
                 Err(rej) => Some((Some(job), rej)),
                 Ok(plan) => {
                     let ticket = Ticket {
@@ -799,12 +799,14 @@ async fn recover_one(
             };
             tokio::spawn(
                 async move {
-                    match plan_job(
+                    match plan_job_async(
                         &ticket.job,
                         ticket.submitter.as_deref(),
                         &ctx2.cfg,
                         &ctx2.sys,
-                    ) {
+                    )
+                    .await
+                    {
                         Ok(plan) => {
                             let mut cancellers = vec![ticket.job.owner.clone()];
                             cancellers.extend(ticket.submitter.clone());

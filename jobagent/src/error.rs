@@ -47,7 +47,10 @@ pub enum Rejection {
         /// Owner named in the job.
         owner: String,
     },
-    /// The user database could not be read.
+    /// The thread that plans the job (and runs its lookups) failed.
+    #[error("the agent's job planning thread failed")]
+    PlanningFailed(#[source] tokio::task::JoinError),
+    /// The user database could not be read (or did not answer in time).
     #[error("cannot look up {what} {name:?} in the user database")]
     Lookup {
         /// `user` or `group`.
@@ -165,14 +168,16 @@ pub enum NssError {
         source: std::io::Error,
     },
     /// `getent` did not answer in time (it was killed).
-    #[error("{getent} {database} did not answer within {secs} s")]
+    #[error("lookup timed out after {secs} s: {getent} {database} {key}")]
     Timeout {
         /// Path of getent.
         getent: String,
         /// Database asked (`passwd`, `group`, `initgroups`).
         database: &'static str,
+        /// The name looked up.
+        key: String,
         /// Timeout, seconds.
-        secs: u64,
+        secs: f64,
     },
     /// `getent` failed with an exit status other than "not found".
     #[error("{getent} {database} exited with status {status}")]

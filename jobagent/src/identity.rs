@@ -6,7 +6,12 @@
 //! therefore asks the host's own `getent` (glibc's, which loads the modules
 //! configured in `/etc/nsswitch.conf`), exec'd by the agent as root before
 //! the job's fork, with an empty environment, stdin `/dev/null`, stderr
-//! discarded, `--` before the key, and a timeout ([`GETENT_TIMEOUT`]).
+//! discarded, `--` before the key, and a timeout ([`GETENT_TIMEOUT`]): the
+//! wait sleeps in `poll(2)` on the child's pidfd (no polling loop) and a
+//! getent that does not answer in time is killed; the job is refused with
+//! "lookup timed out after N s: getent passwd NAME". Lookups block: the
+//! agent runs them on a blocking thread ([`crate::plan::plan_job_async`]),
+//! never on the async runtime.
 //! Three databases are used: `passwd NAME`, `group NAME` and
 //! `initgroups NAME` (the supplementary groups `initgroups(3)` would set,
 //! from every source; the primary group is added by the caller).
@@ -167,22 +172,18 @@ fn run_getent(
         let _ = (&mut stdout).take(1 << 20).read_to_end(&mut buf);
         buf
     });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait().map_err(exec_err)? {
-            Some(st) => break st,
-            None if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(NssError::Timeout {
-                    getent: getent.display().to_string(),
-                    database,
-                    secs: timeout.as_secs(),
-                });
-            }
-            None => std::thread::sleep(Duration::from_millis(5)),
-        }
-    };
+    if !exits_within(&mut child, timeout).map_err(exec_err)? {
+        // Not reaped yet, so the pid is still this child's.
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(NssError::Timeout {
+            getent: getent.display().to_string(),
+            database,
+            key: key.into(),
+            secs: timeout.as_secs_f64(),
+        });
+    }
+    let status = child.wait().map_err(exec_err)?;
     let out = reader.join().unwrap_or_default();
     match status.code() {
         Some(0) => Ok(Some(out)),
@@ -194,6 +195,51 @@ fn run_getent(
                 -std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0)
             }),
         }),
+    }
+}
+
+/// Whether `child` exits within `timeout`. Sleeps in `poll(2)` on the
+/// child's pidfd until it exits or the time is up (no polling loop); only
+/// kernels without `pidfd_open` (before 5.3) check every 5 ms. Does not reap.
+fn exits_within(child: &mut std::process::Child, timeout: Duration) -> std::io::Result<bool> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let deadline = Instant::now() + timeout;
+    let pid = rustix::process::Pid::from_raw(child.id() as i32)
+        .ok_or_else(|| std::io::Error::other("child without a pid"))?;
+    let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => Some(fd),
+        Err(rustix::io::Errno::NOSYS) => None,
+        Err(e) => return Err(e.into()),
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match &pidfd {
+            Some(fd) => {
+                // Whole milliseconds, rounded up, so a wake-up is never early.
+                let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+                let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+                match poll(
+                    &mut fds,
+                    PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+                ) {
+                    Ok(0) if left.is_zero() => return Ok(false),
+                    Ok(0) | Err(nix::errno::Errno::EINTR) => {}
+                    Ok(_) => return Ok(true),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            None => {
+                // Kernels before 5.3 only.
+                if child.try_wait()?.is_some() {
+                    return Ok(true);
+                }
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                std::thread::sleep(left.min(Duration::from_millis(5)));
+            }
+        }
     }
 }
 

@@ -26,6 +26,7 @@ mod consume;
 pub mod error;
 mod heartbeat;
 pub mod identity;
+pub mod output;
 pub mod plan;
 pub mod report;
 mod session;

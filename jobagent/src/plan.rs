@@ -299,6 +299,33 @@ pub fn plan_job(
     })
 }
 
+/// [`plan_job`] on a blocking thread, so that owner and group lookups
+/// (`getent`, each bounded by [`crate::identity::GETENT_TIMEOUT`]; a slow
+/// LDAP/SSSD answers in seconds) never stall the async runtime: heartbeats
+/// and control keep running while a job is planned. Clones `job`, `cfg`
+/// and `sys` for the thread.
+///
+/// # Errors
+/// As [`plan_job`]; a lookup that timed out is a [`Rejection::Lookup`] whose
+/// source says so ("lookup timed out after N s: getent passwd NAME");
+/// [`Rejection::PlanningFailed`] if the planning thread panicked.
+pub async fn plan_job_async<S: Sys + Clone + 'static>(
+    job: &Job,
+    submitter: Option<&str>,
+    cfg: &AgentConfig,
+    sys: &S,
+) -> Result<LaunchPlan, Rejection> {
+    let (job, submitter, cfg, sys) = (
+        job.clone(),
+        submitter.map(str::to_owned),
+        cfg.clone(),
+        sys.clone(),
+    );
+    tokio::task::spawn_blocking(move || plan_job(&job, submitter.as_deref(), &cfg, &sys))
+        .await
+        .unwrap_or_else(|e| Err(Rejection::PlanningFailed(e)))
+}
+
 /// Group policy: gid 0 only with `allow_group_zero`; none of the owner's
 /// groups (primary, job group, supplementary) in `deny_groups`; at least one
 /// in `allow_groups` when that is set. Config group names that do not exist
@@ -442,6 +469,7 @@ fn check_label(field: &'static str, value: &str, max: usize) -> Result<(), Rejec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::NssError;
     use crate::sys::FakeSys;
 
     fn cfg() -> AgentConfig {
@@ -746,5 +774,97 @@ mod tests {
             plan_job(&job("alice"), Some("alice"), &c, &s),
             Err(Rejection::OwnerNotAllowed { .. })
         ));
+    }
+
+    /// Users through a real [`crate::identity::Nss`] (a fake getent), the
+    /// rest empty.
+    #[derive(Clone)]
+    struct NssSys(crate::identity::Nss);
+
+    impl Sys for NssSys {
+        fn user_by_name(&self, name: &str) -> Result<Option<crate::sys::UserEntry>, NssError> {
+            self.0.user(name)
+        }
+        fn group_by_name(&self, name: &str) -> Result<Option<crate::sys::GroupEntry>, NssError> {
+            self.0.group(name)
+        }
+        fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
+            self.0.group_list(user, primary)
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_hanging_owner_lookup_times_out_with_a_reason_while_the_runtime_keeps_running() {
+        use std::time::Instant;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("getent");
+        std::fs::write(&fake, "#!/bin/sh\nexec sleep 30\n").unwrap();
+        std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let timeout = Duration::from_millis(500);
+        let sys = NssSys(crate::identity::Nss::new(Some(fake), timeout));
+        // Another task on this single-threaded runtime: it ticks every 20 ms
+        // and records when.
+        let ticks = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+        let ticker = {
+            let ticks = ticks.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_millis(20));
+                loop {
+                    every.tick().await;
+                    ticks.lock().unwrap().push(Instant::now());
+                }
+            })
+        };
+        tokio::task::yield_now().await;
+        // A test thread forking while the script above was still open for
+        // writing makes its exec fail with ETXTBSY for a moment.
+        for _ in 0..50 {
+            let t0 = Instant::now();
+            let r = plan_job_async(&job("alice"), Some("alice"), &cfg(), &sys).await;
+            let t1 = Instant::now();
+            let err = r.unwrap_err();
+            if let Rejection::Lookup {
+                source: NssError::Exec { source, .. },
+                ..
+            } = &err
+            {
+                if source.raw_os_error() == Some(nix::libc::ETXTBSY) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            }
+            let reason = crate::error::chain(&err);
+            assert!(
+                matches!(
+                    err,
+                    Rejection::Lookup {
+                        source: NssError::Timeout { .. },
+                        ..
+                    }
+                ),
+                "{reason}"
+            );
+            assert!(
+                reason.contains("timed out after 0.5 s") && reason.contains("passwd alice"),
+                "{reason}"
+            );
+            assert!(t1 - t0 < Duration::from_secs(3), "took {:?}", t1 - t0);
+            let during = ticks
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|t| **t > t0 && **t < t1)
+                .count();
+            // 500 ms at one tick per 20 ms: about 25.
+            assert!(
+                during >= 10,
+                "the runtime stalled during the lookup: {during} ticks in {:?}",
+                t1 - t0
+            );
+            ticker.abort();
+            return;
+        }
+        panic!("getent stayed busy (ETXTBSY)");
     }
 }

@@ -16,9 +16,11 @@
 //! regular file the owner may execute), open stdout/stderr **as the owner**
 //! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
 //! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
-//! can watch their size for `max_output_bytes` without ever opening the
-//! owner's paths), `dup2` them onto fds 1 and 2, then make the script fd
-//! inheritable. std's `Command::uid/gid/current_dir` are not used: they run
+//! writes them without ever opening the owner's paths), `dup2` the write
+//! ends of the output pipes (made by the parent; one for both streams with
+//! `-j oe`/`eo`) onto fds 1 and 2, then make the script fd inheritable. The
+//! job never holds its output files: the agent copies the pipes into them
+//! up to `max_output_bytes` ([`crate::output`]). std's `Command::uid/gid/current_dir` are not used: they run
 //! before `pre_exec`, as root, and break `setgroups` (DESIGN.md, "Privilege
 //! drop"). Any failing step fails the job: it never runs with partial
 //! credentials.
@@ -187,7 +189,7 @@ fn step_name(step: u8, plan: &LaunchPlan) -> String {
             "open stderr file {} as the owner",
             plan.stderr.to_string_lossy()
         ),
-        9 => "dup2 of the output files".into(),
+        9 => "dup2 of the output pipes".into(),
         10 => "making the script fd inheritable".into(),
         11 => "joining the job's cgroup".into(),
         12 => "setting the job's oom_score_adj".into(),
@@ -366,15 +368,24 @@ unsafe fn cloexec_from_3() {
     }
 }
 
-/// A started job: its leader and the agent's duplicates of its output files.
+/// One output stream of a started job.
+#[derive(Debug)]
+pub struct OutputStream {
+    /// Read end of the pipe the job writes into (close-on-exec).
+    pub pipe: OwnedFd,
+    /// The output file as the job opened it, as the owner, received over
+    /// `SCM_RIGHTS`; `None` only if the fd never arrived (the stream is
+    /// then drained into nothing).
+    pub file: Option<OwnedFd>,
+}
+
+/// A started job: its leader and its output streams.
 #[derive(Debug)]
 pub struct Spawned {
     /// Leader pid, also its process group and session id.
     pub pid: Pid,
-    /// The output files as the job opened them (one with `-j oe`/`eo`),
-    /// received over `SCM_RIGHTS`; the supervisor `fstat`s them for
-    /// `max_output_bytes`.
-    pub outputs: Vec<OwnedFd>,
+    /// `[stdout, stderr]`, or one stream for both with `-j oe`/`eo`.
+    pub outputs: Vec<OutputStream>,
 }
 
 fn socketpair() -> Result<(OwnedFd, OwnedFd), LaunchError> {
@@ -501,6 +512,20 @@ pub fn spawn(
     let fd_tx = high_fd(fd_tx, "move the fd-passing socket")?;
     let sock_fd = fd_tx.as_raw_fd();
     let cg_fd: RawFd = cgroup_procs.map_or(-1, AsRawFd::as_raw_fd);
+    // The output pipes: read ends stay here, write ends become fds 1 and 2.
+    let streams = if matches!(plan.join, Join::N) { 2 } else { 1 };
+    let mut pipe_rd = Vec::new();
+    let mut pipe_wr = Vec::new();
+    for _ in 0..streams {
+        let (r, w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
+            what: "create an output pipe",
+            source: e.into(),
+        })?;
+        pipe_rd.push(r);
+        pipe_wr.push(high_fd(w, "move an output pipe")?);
+    }
+    let out_pipe = pipe_wr[0].as_raw_fd();
+    let err_pipe = pipe_wr[streams - 1].as_raw_fd();
 
     let shell =
         std::ffi::OsStr::new(std::str::from_utf8(plan.shell.to_bytes()).unwrap_or("/bin/sh"));
@@ -644,7 +669,7 @@ pub fn spawn(
             if send_fds(sock_fd, fds) != 1 {
                 return Err(fail(pipe_fd, Step::PassFds, errno()));
             }
-            if libc::dup2(out, 1) == -1 || libc::dup2(err, 2) == -1 {
+            if libc::dup2(out_pipe, 1) == -1 || libc::dup2(err_pipe, 2) == -1 {
                 return Err(fail(pipe_fd, Step::Dup, errno()));
             }
             cloexec_from_3();
@@ -671,6 +696,8 @@ pub fn spawn(
     };
     drop(wr);
     drop(fd_tx);
+    // Only the job may hold the write ends: end of file when it is gone.
+    drop(pipe_wr);
     let mut report = Vec::new();
     let _ = std::fs::File::from(rd).read_to_end(&mut report);
     drop(script);
@@ -678,7 +705,14 @@ pub fn spawn(
         Ok(child) => {
             let pid = Pid::from_raw(child.id() as i32);
             // The child sent its fds before exec, and exec has happened.
-            let outputs = recv_fds(&fd_rx).unwrap_or_default();
+            let mut files = recv_fds(&fd_rx).unwrap_or_default().into_iter();
+            let outputs = pipe_rd
+                .into_iter()
+                .map(|pipe| OutputStream {
+                    pipe,
+                    file: files.next(),
+                })
+                .collect();
             Ok(Spawned { pid, outputs })
         }
         Err(source) if report.len() >= 5 => {

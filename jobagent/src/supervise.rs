@@ -11,7 +11,8 @@
 //!   before it drops privileges, with optional `memory.max` and `cpu.max`,
 //!   and `pids.max` = `job_pids_max` when the pids controller is available
 //!   (else the child sets `RLIMIT_NPROC`, as without a cgroup).
-//!   SIGTERM goes to every pid in `cgroup.procs`; SIGKILL is `cgroup.kill`.
+//!   SIGTERM goes to every process in `cgroup.procs`; SIGKILL is
+//!   `cgroup.kill` (Linux 5.14; before it, SIGKILL goes the SIGTERM way).
 //!   If the agent's cgroup holds the agent itself and a controller must be
 //!   enabled, the agent first moves itself into `<agent cgroup>/vq-agent`
 //!   (cgroup v2's no-internal-processes rule).
@@ -23,6 +24,18 @@
 //!   parent died is therefore found. Limitation: with two jobs of the same
 //!   owner running at once, an orphan of one is also attributed to the
 //!   other (use cgroups to avoid it).
+//!
+//! # How processes are signalled
+//! Never by a bare pid read earlier: every process found (in
+//! `cgroup.procs` or by the `/proc` scan) is pinned by a pidfd
+//! (`pidfd_open`, Linux 5.3) and kept only if `/proc` read *after* the open
+//! still shows it as the job's (in the job's cgroup, or with the start time
+//! the scan saw) while the pidfd's process is still running; the signal then
+//! goes through `pidfd_send_signal`, so a process that ended meanwhile gets
+//! nothing and a process that got its pid is never signalled. The leader's
+//! process group is signalled with `killpg` only while the leader is
+//! unreaped (its pid, the group id, cannot be reused then). Only kernels
+//! without `pidfd_open` fall back to `kill(2)` right after the check.
 //!
 //! # How a job ends
 //! The job ends when its main process (the shell) exits. Any process of the
@@ -53,6 +66,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nix::fcntl::OFlag;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
@@ -63,10 +77,12 @@ use vq_common::config::AgentConfig;
 use vq_common::messages::{Outcome, Usage};
 
 use crate::error::{chain, LaunchError};
+use crate::output;
 use crate::plan::{LaunchPlan, CPU_PERIOD_US};
-use crate::spawn::{leaders, spawn, wait_child, Reaped, AGENT_OOM_SCORE_ADJ};
+use crate::spawn::{leaders, spawn, wait_child, OutputStream, Reaped, AGENT_OOM_SCORE_ADJ};
 
-/// How often a running job's output size is checked and zombies are swept.
+/// How often zombies are swept (and, without a cgroup, the job's
+/// processes recorded).
 pub const TICK: Duration = Duration::from_secs(1);
 
 /// Name of the leaf cgroup the agent moves itself into when it must enable
@@ -237,10 +253,10 @@ fn sweep_zombies(agent_pid: i32) -> usize {
     reaped
 }
 
-/// Live (non-zombie) processes of a job without a cgroup: its process group
-/// and session, orphans of `uid` reparented to the agent, and all their
-/// descendants.
-fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<i32> {
+/// Live (non-zombie) processes of a job without a cgroup, as `(pid, start
+/// time)`: its process group and session, orphans of `uid` reparented to
+/// the agent, and all their descendants.
+fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
     let leaders = leaders().clone();
     let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
     for pid in all_pids() {
@@ -270,7 +286,11 @@ fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<i32> {
     }
     members
         .into_iter()
-        .filter(|p| *p != agent_pid && stats.get(p).is_some_and(|s| s.state != 'Z'))
+        .filter(|p| *p != agent_pid)
+        .filter_map(|p| {
+            let st = stats.get(&p)?;
+            (st.state != 'Z').then_some((p, st.starttime))
+        })
         .collect()
 }
 
@@ -432,13 +452,100 @@ fn cgroup_pids(path: &Path) -> Vec<i32> {
         .collect()
 }
 
+/// SIGKILL to every process of the cgroup at `path`: `cgroup.kill` (Linux
+/// 5.14), else through pidfds of its listed members (callers loop).
 fn cgroup_kill(path: &Path) {
     if write_file(&path.join("cgroup.kill"), "1").is_err() {
-        // Kernels before 5.14: kill what is listed (repeat callers loop).
-        for pid in cgroup_pids(path) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        for p in cgroup_procs(path) {
+            p.signal(Signal::SIGKILL);
         }
     }
+}
+
+/// The processes listed in the cgroup at `path`, each pinned by a pidfd
+/// and checked (after the open) to be in that cgroup.
+fn cgroup_procs(path: &Path) -> Vec<JobProc> {
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    cgroup_pids(path)
+        .into_iter()
+        .filter_map(|pid| JobProc::open(pid, |p| in_cgroup(p, &name)))
+        .collect()
+}
+
+/// Whether the cgroup v2 of `pid` is the one named `name` (job cgroups
+/// have agent-unique names and no children).
+fn in_cgroup(pid: i32, name: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|t| {
+        t.lines()
+            .filter_map(|l| l.strip_prefix("0::"))
+            .any(|rel| rel.trim_end().rsplit('/').next() == Some(name))
+    })
+}
+
+// ----------------------------------------------------------- signalling
+
+/// A process of a job, pinned by a pidfd opened when it was found, so a
+/// signal never reaches another process that got its pid later.
+#[derive(Debug)]
+struct JobProc {
+    pid: i32,
+    /// `None` only on kernels without `pidfd_open` (before 5.3).
+    fd: Option<OwnedFd>,
+}
+
+impl JobProc {
+    /// Opens a pidfd for `pid` and keeps it if `is_it(pid)` (which reads
+    /// `/proc/<pid>`) holds **after** the open and the pidfd's process has
+    /// still not exited after that check: what `is_it` read was then the
+    /// pidfd's process, not a successor with the recycled pid.
+    fn open(pid: i32, is_it: impl Fn(i32) -> bool) -> Option<Self> {
+        let rpid = rustix::process::Pid::from_raw(pid)?;
+        match rustix::process::pidfd_open(rpid, rustix::process::PidfdFlags::empty()) {
+            Ok(fd) => (is_it(pid) && !pidfd_exited(&fd)).then_some(JobProc { pid, fd: Some(fd) }),
+            Err(rustix::io::Errno::NOSYS) => is_it(pid).then_some(JobProc { pid, fd: None }),
+            Err(_) => None,
+        }
+    }
+
+    /// Sends `sig` through the pidfd (a process that ended meanwhile gets
+    /// nothing: `ESRCH`).
+    fn signal(&self, sig: Signal) {
+        match (
+            &self.fd,
+            rustix::process::Signal::from_named_raw(sig as i32),
+        ) {
+            (Some(fd), Some(rsig)) => {
+                let _ = rustix::process::pidfd_send_signal(fd, rsig);
+            }
+            // Kernels before 5.3 only: the pid was checked just now.
+            _ => {
+                let _ = kill(Pid::from_raw(self.pid), sig);
+            }
+        }
+    }
+}
+
+/// Whether the process of `pidfd` has exited (a pidfd polls readable then).
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+    !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+}
+
+/// Pins the processes `(pid, starttime)` found by a `/proc` scan: each one
+/// whose pid still belongs to a live process started at that time.
+fn pin_found(found: impl IntoIterator<Item = (i32, u64)>) -> Vec<JobProc> {
+    found
+        .into_iter()
+        .filter_map(|(pid, start)| {
+            JobProc::open(pid, |p| {
+                proc_stat(p).is_some_and(|st| st.starttime == start && st.state != 'Z')
+            })
+        })
+        .collect()
 }
 
 // ------------------------------------------------------------- records
@@ -553,10 +660,15 @@ fn reap(path: &Path) {
                     doomed.extend(more);
                 }
                 doomed.remove(&(std::process::id() as i32));
-                for pid in &doomed {
-                    let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                let pinned = pin_found(
+                    doomed
+                        .iter()
+                        .filter_map(|p| Some((*p, stats.get(p)?.starttime))),
+                );
+                for p in &pinned {
+                    p.signal(Signal::SIGKILL);
                 }
-                killed = doomed.len();
+                killed = pinned.len();
             }
         }
         warn!(job_id = %rec.job_id, pid = rec.pid, processes = killed, "killed what was left of a job of a previous agent");
@@ -575,16 +687,35 @@ struct Members<'a> {
 }
 
 impl Members<'_> {
+    /// Pids of the job's processes now (for counting and records).
     fn live(&self) -> Vec<i32> {
         match self.cgroup {
             Some(cg) => cgroup_pids(&cg.path),
-            None => fallback_members(self.leader.as_raw(), self.uid, self.host.agent_pid),
+            None => fallback_members(self.leader.as_raw(), self.uid, self.host.agent_pid)
+                .into_iter()
+                .map(|(pid, _)| pid)
+                .collect(),
         }
     }
 
-    /// Sends `sig` to every process of the job; `group` also signals the
-    /// leader's process group (only while the leader is not yet reaped, so
-    /// its pid cannot have been reused).
+    /// The job's processes now, pinned by pidfds for signalling.
+    fn pinned(&self) -> Vec<JobProc> {
+        match self.cgroup {
+            Some(cg) => cgroup_procs(&cg.path),
+            None => pin_found(fallback_members(
+                self.leader.as_raw(),
+                self.uid,
+                self.host.agent_pid,
+            )),
+        }
+    }
+
+    /// Sends `sig` to every process of the job: SIGKILL through
+    /// `cgroup.kill` where the job has a cgroup, and to every process found
+    /// through a pidfd opened when it was found, never by a bare pid;
+    /// `group` also signals the leader's process group (only while the
+    /// leader is not yet reaped: a pid in use as a process group id is never
+    /// given to a new process).
     fn signal(&self, sig: Signal, group: bool) {
         if sig == Signal::SIGKILL {
             if let Some(cg) = self.cgroup {
@@ -599,8 +730,8 @@ impl Members<'_> {
                 }
             }
         }
-        for pid in self.live() {
-            let _ = kill(Pid::from_raw(pid), sig);
+        for p in self.pinned() {
+            p.signal(sig);
         }
     }
 
@@ -642,30 +773,83 @@ impl Members<'_> {
 /// Without a cgroup: records the job's current processes so a restarted
 /// agent can find processes that escaped the session.
 fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path) {
-    let now: Vec<(i32, u64)> = members
-        .live()
-        .into_iter()
-        .filter_map(|p| Some((p, proc_stat(p)?.starttime)))
-        .collect();
+    let now = fallback_members(members.leader.as_raw(), members.uid, members.host.agent_pid);
     if now != record.members {
         record.members = now;
         write_record(state_dir, record);
     }
 }
 
-fn output_over(outputs: &[OwnedFd], cap: u64) -> bool {
-    cap > 0
-        && outputs
-            .iter()
-            .any(|fd| nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_size.max(0) as u64 > cap))
+/// The copiers of a job's output streams ([`crate::output`]).
+struct Outputs {
+    /// Cancelled by the first stream that exceeds the cap.
+    over: CancellationToken,
+    /// Dropped to make the copiers give up (a leftover holds a pipe).
+    stop: Option<OwnedFd>,
+    copiers: Vec<tokio::task::JoinHandle<std::io::Result<output::Copied>>>,
+}
+
+impl Outputs {
+    /// The stop pipe (read end, write end), made before the job starts.
+    fn stop_pipe() -> Result<(OwnedFd, OwnedFd), LaunchError> {
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Prepare {
+            what: "create the output stop pipe",
+            source: e.into(),
+        })
+    }
+
+    /// Starts one copier per stream, each on a blocking thread.
+    fn start(streams: Vec<OutputStream>, cap: u64, (stop_rd, stop_wr): (OwnedFd, OwnedFd)) -> Self {
+        let stop_rd = std::sync::Arc::new(stop_rd);
+        let over = CancellationToken::new();
+        let copiers = streams
+            .into_iter()
+            .map(|s| {
+                let (stop, over) = (stop_rd.clone(), over.clone());
+                if s.file.is_none() {
+                    warn!("the job's output file did not arrive; its output is dropped");
+                }
+                tokio::task::spawn_blocking(move || {
+                    output::copy_capped(&s.pipe, s.file.as_ref(), cap, &stop, &over)
+                })
+            })
+            .collect();
+        Outputs {
+            over,
+            stop: Some(stop_wr),
+            copiers,
+        }
+    }
+
+    /// Waits (at most [`output::DRAIN_AFTER_END`]) until every stream
+    /// reached end of file, then stops the copiers. Returns whether a stream
+    /// exceeded the cap.
+    async fn finish(mut self) -> bool {
+        let all = futures_util::future::join_all(self.copiers.iter_mut());
+        if tokio::time::timeout(output::DRAIN_AFTER_END, all)
+            .await
+            .is_err()
+        {
+            warn!(
+                "a process that is not the job's keeps its output pipe open: output copy stopped"
+            );
+            drop(self.stop.take());
+            for c in &mut self.copiers {
+                let _ = c.await;
+            }
+        }
+        self.over.is_cancelled()
+    }
 }
 
 /// Starts the job of `plan` (calling `on_start` with its leader pid) and
 /// supervises it to its end. After `plan.walltime` (monotonic, from
-/// `started`), when `cancel` fires, or when an output file exceeds
-/// `plan.max_output_bytes`, every process of the job gets SIGTERM, then
-/// SIGKILL `plan.kill_grace` later. Returns the outcome and usage (wall
-/// time from `started`); a start failure is `Outcome::FailedToStart`.
+/// `started`), when `cancel` fires, or when an output stream exceeds
+/// `plan.max_output_bytes` (the file is never written past it, see
+/// [`crate::output`]), every process of the job gets SIGTERM, then SIGKILL
+/// `plan.kill_grace` later. Returns, once the output files are complete,
+/// the outcome and usage (wall time from `started` to the leader's end); a
+/// start failure is `Outcome::FailedToStart`.
 pub async fn run_job(
     plan: LaunchPlan,
     started: Instant,
@@ -680,6 +864,10 @@ pub async fn run_job(
                 ..Usage::default()
             },
         )
+    };
+    let stop_pipe = match Outputs::stop_pipe() {
+        Ok(p) => p,
+        Err(e) => return failed(&e),
     };
     let host = host(plan.cgroups);
     let wants_limits = plan.memory_max_bytes > 0 || plan.cpu_quota_us > 0;
@@ -739,6 +927,7 @@ pub async fn run_job(
         }
     };
     let pid = spawned.pid;
+    let outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe);
     on_start(pid);
     let mut record = Record {
         job_id: plan.job_id.clone(),
@@ -755,16 +944,13 @@ pub async fn run_job(
         uid: plan.uid,
         cgroup: cgroup.as_ref(),
     };
-    let result = supervise(
-        &members,
-        &spawned.outputs,
-        &plan,
-        &mut record,
-        started,
-        cancel,
-    )
-    .await;
+    let (reaped, wall, stop) =
+        supervise(&members, &outputs.over, &plan, &mut record, started, cancel).await;
     members.finish_off(plan.kill_grace).await;
+    // Output is complete before the job is reported.
+    let over = outputs.finish().await;
+    let stop = stop.or(over.then_some(Stop::OutputLimit));
+    let result = finish(pid, wall, reaped, stop);
     if let Some(cg) = &cgroup {
         for _ in 0..50 {
             match std::fs::remove_dir(&cg.path) {
@@ -777,33 +963,35 @@ pub async fn run_job(
     result
 }
 
+/// What the job leader's waiter thread returns.
+type Waited = Result<std::io::Result<Reaped>, tokio::task::JoinError>;
+
+/// Waits for the job leader, stopping the job on walltime, cancel or when
+/// `over` (an output stream exceeded the cap) fires. Returns the wait
+/// result, the wall time at the leader's end, seconds, and why the agent
+/// stopped the job (`None`: it ended by itself).
 async fn supervise(
     members: &Members<'_>,
-    outputs: &[OwnedFd],
+    over: &CancellationToken,
     plan: &LaunchPlan,
     record: &mut Record,
     started: Instant,
     cancel: CancellationToken,
-) -> (Outcome, Usage) {
+) -> (Waited, f64, Option<Stop>) {
     let pid = members.leader;
     let mut waiter = tokio::task::spawn_blocking(move || wait_child(pid));
     let deadline = tokio::time::Instant::from_std(started + plan.walltime);
     let mut tick = tokio::time::interval(TICK);
     let stop = loop {
         tokio::select! {
-            r = &mut waiter => {
-                let over = output_over(outputs, plan.max_output_bytes);
-                return finish(pid, started, r, over.then_some(Stop::OutputLimit));
-            }
+            r = &mut waiter => return (r, started.elapsed().as_secs_f64(), None),
             _ = tokio::time::sleep_until(deadline) => break Stop::Walltime,
             _ = cancel.cancelled() => break Stop::Cancelled,
+            _ = over.cancelled() => break Stop::OutputLimit,
             _ = tick.tick() => {
                 sweep_zombies(members.host.agent_pid);
                 if members.cgroup.is_none() {
                     remember_members(members, record, &plan.state_dir);
-                }
-                if output_over(outputs, plan.max_output_bytes) {
-                    break Stop::OutputLimit;
                 }
             }
         }
@@ -818,16 +1006,11 @@ async fn supervise(
             waiter.await
         }
     };
-    finish(pid, started, r, Some(stop))
+    (r, started.elapsed().as_secs_f64(), Some(stop))
 }
 
-fn finish(
-    pid: Pid,
-    started: Instant,
-    r: Result<std::io::Result<Reaped>, tokio::task::JoinError>,
-    stop: Option<Stop>,
-) -> (Outcome, Usage) {
-    let wall = started.elapsed().as_secs_f64();
+/// The outcome and usage of a job whose leader ended after `wall` seconds.
+fn finish(pid: Pid, wall: f64, r: Waited, stop: Option<Stop>) -> (Outcome, Usage) {
     let reaped = match r {
         Ok(Ok(reaped)) => reaped,
         Ok(Err(e)) => {
@@ -886,14 +1069,63 @@ mod tests {
         assert_eq!(proc_uid(me), Some(nix::unistd::getuid().as_raw()));
     }
 
+    /// Starts `sleep 1000` with the pid `want` (root: through
+    /// `ns_last_pid`; other processes of the host may take the pid first,
+    /// so it retries). `None` if the pid could not be had.
+    fn spawn_with_pid(want: i32) -> Option<std::process::Child> {
+        for _ in 0..200 {
+            std::fs::write("/proc/sys/kernel/ns_last_pid", (want - 1).to_string()).ok()?;
+            let mut child = std::process::Command::new("sleep")
+                .arg("1000")
+                .spawn()
+                .ok()?;
+            if child.id() as i32 == want {
+                return Some(child);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        None
+    }
+
     #[test]
-    fn an_output_fd_over_the_cap_is_detected() {
-        let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&[b'x'; 100]).unwrap();
-        let fds = vec![OwnedFd::from(f)];
-        assert!(output_over(&fds, 99));
-        assert!(!output_over(&fds, 100));
-        assert!(!output_over(&fds, 0), "0 disables the cap");
+    #[ignore = "needs root (ns_last_pid)"]
+    fn a_found_process_whose_pid_was_recycled_is_never_signalled() {
+        use std::os::unix::process::ExitStatusExt;
+        // A process of a job is found (as every kill path finds them) ...
+        let mut found = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let pid = found.id() as i32;
+        let start = proc_stat(pid).unwrap().starttime;
+        let pinned = pin_found([(pid, start)]);
+        assert_eq!(pinned.len(), 1);
+        // ... then exits, and an unrelated process gets its pid ...
+        found.kill().unwrap();
+        found.wait().unwrap();
+        let mut unrelated = spawn_with_pid(pid).expect("pid reused");
+        // ... before the job is killed: the unrelated process is spared.
+        for p in &pinned {
+            p.signal(Signal::SIGKILL);
+        }
+        // A SIGKILL sent above would be the fatal signal; ours comes later.
+        kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+        let status = unrelated.wait().unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(Signal::SIGTERM as i32),
+            "the process that got the recycled pid was signalled by the kill path"
+        );
+        // And a live one found is signalled.
+        let mut live = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let lpid = live.id() as i32;
+        let pinned = pin_found([(lpid, proc_stat(lpid).unwrap().starttime)]);
+        pinned[0].signal(Signal::SIGKILL);
+        assert_eq!(live.wait().unwrap().signal(), Some(Signal::SIGKILL as i32));
     }
 
     #[test]

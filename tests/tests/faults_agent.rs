@@ -29,35 +29,43 @@ use vq_tests::harness::{
 const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
 const WAIT: Duration = Duration::from_secs(30);
 
-/// A script that records its process group id and sleeps.
+/// A script that, once it runs, records its process group id (written
+/// whole, then renamed into place: the file's existence is the job's
+/// readiness signal) and sleeps.
 fn pid_script(user: &TestUser, name: &str, secs: u32) -> (String, std::path::PathBuf) {
     let pidfile = user.home.join(format!("{name}.pid"));
     let _ = std::fs::remove_file(&pidfile);
+    let p = pidfile.display();
     (
-        format!("echo $$ > {}\nsleep {secs}\necho done\n", pidfile.display()),
+        format!("echo $$ > {p}.tmp && mv {p}.tmp {p}\nsleep {secs}\necho done\n"),
         pidfile,
     )
 }
 
-/// Waits for the pid file and SIGKILLs that process group (the job), as
-/// the death of its VM would.
-async fn kill_job(pidfile: &std::path::Path) -> anyhow::Result<()> {
+/// Waits until the job of `pid_script` runs (its pid file exists; the
+/// agent publishes `started` before it spawns the job, so that event alone
+/// does not mean a job process exists) and returns its process group,
+/// removing the file for the next run.
+async fn job_running(pidfile: &std::path::Path) -> anyhow::Result<nix::unistd::Pid> {
     let deadline = Instant::now() + WAIT;
     loop {
         if let Ok(text) = std::fs::read_to_string(pidfile) {
-            if let Ok(pid) = text.trim().parse::<i32>() {
-                let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
-                let _ = std::fs::remove_file(pidfile);
-                return Ok(());
-            }
+            let pid = text.trim().parse::<i32>()?;
+            std::fs::remove_file(pidfile)?;
+            return Ok(nix::unistd::Pid::from_raw(pid));
         }
         ensure!(
             Instant::now() < deadline,
-            "no pid file {}",
+            "the job never ran: no pid file {}",
             pidfile.display()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// SIGKILLs the job's process group, as the death of its VM would.
+fn kill_job(pgid: nix::unistd::Pid) {
+    let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
 }
 
 fn count(tap: &EventTap, job_id: &str, word: &str) -> usize {
@@ -119,10 +127,11 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
     let limit = vq_common::topology::DEFAULT_LOSS_LIMIT as usize;
     for run in 1..=limit {
         nth_event(&mut tap, &j.id, "started", run).await?;
+        let pgid = job_running(&pidfile).await?;
         // The job "kills its node": agent and job die together.
         agent.signal(Signal::SIGKILL);
         agent.wait_timeout(Duration::from_secs(5));
-        kill_job(&pidfile).await?;
+        kill_job(pgid);
         drop(agent);
         agent = start_agent_in(&url, &cluster, pool, &agent_id, TRUST_GUEST, dir.path())?;
     }
@@ -207,8 +216,9 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     broker.publish_job(&r, Some("guest")).await?;
     let s1 = tap.job_event(&r.id, "started", WAIT).await?;
     ensure!(s1["agent"] == a1.as_str(), "{s1}");
+    let pgid = job_running(&pidfile).await?;
     agent1.guard.signal(Signal::SIGKILL);
-    kill_job(&pidfile).await?;
+    kill_job(pgid);
     let t_killed = Instant::now();
     let a2 = format!("{cluster}-f2");
     let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
@@ -235,8 +245,9 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     broker.publish_job(&n, Some("guest")).await?;
     let s = tap.job_event(&n.id, "started", WAIT).await?;
     ensure!(s["agent"] == a3.as_str(), "{s}");
+    let pgid = job_running(&pidfile).await?;
     agent3.guard.signal(Signal::SIGKILL);
-    kill_job(&pidfile).await?;
+    kill_job(pgid);
     let failed = tap.job_event(&n.id, "failed", WAIT).await?;
     let reason = failed["reason"].as_str().unwrap_or_default();
     ensure!(
@@ -333,8 +344,9 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     broker.publish_job(&r, Some("guest")).await?;
     let s1 = tap.job_event(&r.id, "started", WAIT).await?;
     ensure!(s1["agent"] == a1.as_str(), "{s1}");
+    let pgid = job_running(&pidfile).await?;
     agent1.guard.signal(Signal::SIGKILL);
-    kill_job(&pidfile).await?;
+    kill_job(pgid);
     ensure!(
         broker.queue_len(&broker.topo.lease_queue(&a1)).await? == 1,
         "the dead agent's lease is not in its lease queue"

@@ -214,6 +214,55 @@ async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> any
     Ok(())
 }
 
+/// The cap the output test sets, bytes.
+const CAP: u64 = 1 << 20;
+
+/// How far past `max_output_bytes` an output file may grow (README: "the
+/// output cap"): none, the agent copies exactly up to the cap.
+const OUTPUT_SLACK_BYTES: u64 = 0;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn an_output_flood_is_cut_at_the_cap_and_the_job_is_stopped() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup(
+        &format!("kill_grace_secs = 1\nmax_output_bytes = {CAP}"),
+        &[],
+    )
+    .await?;
+    // stdout alone, then both streams into one file with -j oe.
+    let flood = job(POOL, &s.alice.name, "flood", "yes\n");
+    let mut joined = job(POOL, &s.alice.name, "floodoe", "yes &\nyes >&2\n");
+    joined.join = Join::Oe;
+    for j in [&flood, &joined] {
+        s.broker.publish_job(j, Some("guest")).await?;
+        let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+        assert_eq!(fin["outcome"]["kind"], "output_limit", "{fin}");
+        let out = s.alice.home.join(format!("{}.o{}", j.name, j.seq()));
+        let size = std::fs::metadata(&out)?.len();
+        eprintln!("output cap {CAP}: {} is {size} bytes", j.name);
+        assert!(
+            size <= CAP + OUTPUT_SLACK_BYTES,
+            "{} grew to {size} bytes, cap {CAP} + slack {OUTPUT_SLACK_BYTES}",
+            j.name
+        );
+        // The file holds the first bytes the job wrote.
+        let head = std::fs::read(&out)?;
+        assert!(
+            head.starts_with(b"y\ny\n"),
+            "{:?}",
+            &head[..head.len().min(16)]
+        );
+        let _ = std::fs::remove_file(out);
+        let _ = std::fs::remove_file(s.alice.home.join(format!("{}.e{}", j.name, j.seq())));
+    }
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
 async fn walltime_kills_a_job_that_runs_too_long() -> anyhow::Result<()> {
