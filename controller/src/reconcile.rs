@@ -12,14 +12,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use vq_common::amqp::AmqpError;
-use vq_common::config::ControllerConfig;
+use vq_common::config::{ControllerConfig, Microversion};
 use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
 use crate::act::{act, Messenger, PoolRef};
 use crate::backoff::{Backoff, PoolBackoff};
 use crate::broker::{Broker, EventSnapshot, FenceReport};
-use crate::error::{ObserveError, RunError};
+use crate::error::{CloudError, ObserveError, RunError};
 use crate::http::{AppState, Metrics};
 use crate::observe::{assemble, Clock};
 use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
@@ -662,8 +662,24 @@ pub async fn run(
     let env = |k: &str| std::env::var(k).ok();
     let creds = Credentials::discover(&cfg.openstack, &env)?;
     tracing::info!(origin = %creds.origin, auth_url = %creds.auth_url, "OpenStack credentials found");
-    let cloud = HttpCloud::new(creds, cfg.openstack.compute_microversion.clone())
-        .map_err(RunError::HttpClient)?;
+    let microversion = match cfg.openstack.compute_microversion.as_deref() {
+        None => None,
+        Some(s) => {
+            Some(Microversion::parse(s).ok_or_else(|| RunError::Microversion { value: s.into() })?)
+        }
+    };
+    let cloud = HttpCloud::new(creds, microversion).map_err(RunError::HttpClient)?;
+    // A cloud older than vq needs would answer every request 406 (or, below
+    // 2.52 requested, list nothing vq booted): refuse to start. A cloud
+    // that cannot be read now is checked again when it answers 406.
+    tokio::select! {
+        checked = cloud.check_compute_version() => match checked {
+            Ok(v) => tracing::info!(min = %v.min, max = %v.max, requested = %cloud.microversion(), "compute API microversions"),
+            Err(e @ CloudError::Microversion { .. }) => return Err(RunError::Cloud(e)),
+            Err(e) => tracing::warn!(error = %e, cause = ?std::error::Error::source(&e).map(|s| s.to_string()), "cannot read the compute API's version document now; it is read again when a request is answered 406"),
+        },
+        _ = shutdown.cancelled() => return Ok(()),
+    }
     let broker = Broker::new(
         cfg.broker.clone(),
         Topology::new(cfg.cluster.clone()),
