@@ -21,7 +21,7 @@ use crate::backoff::{Backoff, PoolBackoff};
 use crate::broker::{Broker, EventSnapshot, FenceReport};
 use crate::error::{CloudError, ObserveError, RunError};
 use crate::http::{AppState, Metrics};
-use crate::observe::{assemble, Clock};
+use crate::observe::{assemble, Clock, CreatedWatch};
 use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Action, Class, Timing};
 use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
@@ -134,6 +134,8 @@ pub struct Controller<C, B> {
     /// is judged by the registry only after a whole heartbeat timeout in it
     /// (a new agent registers before its first heartbeat).
     registry_first_seen: BTreeMap<String, Instant>,
+    /// Servers this controller created that no listing has shown yet.
+    created_watch: CreatedWatch,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -171,6 +173,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             last_scale_down: BTreeMap::new(),
             last_boot_failure: BTreeMap::new(),
             registry_first_seen: BTreeMap::new(),
+            created_watch: CreatedWatch::default(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
@@ -347,6 +350,28 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             };
             observed.since_scale_down_secs = since(&self.last_scale_down);
             observed.since_boot_failure_secs = since(&self.last_boot_failure);
+            (observed.unlisted_created, observed.boot_obstacle) = self.created_watch.listed(
+                &pool,
+                observed.servers.iter().map(|s| s.id.as_str()),
+                pool_cfg.boot_timeout_secs,
+                now,
+            );
+            let was_stopped = self
+                .status
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .pools
+                .get(&pool)
+                .is_some_and(|ps| ps.obstacle.is_some());
+            match (&observed.boot_obstacle, was_stopped) {
+                (Some(why), false) => {
+                    tracing::warn!(pool = %pool, reason = %why, "boots stopped")
+                }
+                (None, true) => {
+                    tracing::info!(pool = %pool, "created servers listed again: boots resume")
+                }
+                _ => {}
+            }
             let planned = plan(&observed, &pool_cfg, timing);
             for h in &planned.held {
                 tracing::info!(pool = %pool, reason = %h, "held back");
@@ -373,6 +398,10 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             .await;
             if let Some(q) = quota.as_mut() {
                 *q = q.saturating_sub(report.created.len() as u32);
+            }
+            let created_at = Instant::now();
+            for (name, id) in &report.created {
+                self.created_watch.created(&pool, id, name, created_at);
             }
             summary.created += report.created.len() as u32;
             summary.deleted += report.deleted.len() as u32;
@@ -610,6 +639,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         ps.servers = servers;
         ps.observed_at = now;
         ps.last_error = None;
+        ps.obstacle = observed.boot_obstacle.clone();
         for a in &planned.actions {
             ps.last_decisions.push(Decision {
                 at: now as u64,

@@ -493,7 +493,12 @@ fn select_servers(
     let (not_all, not_any) = (tag_list("not-tags"), tag_list("not-tags-any"));
 
     let inner = state.lock();
-    let mut all: Vec<&Server> = inner.servers.values().collect();
+    let hiding = inner.faults.hide_new_servers.unwrap_or(false);
+    let mut all: Vec<&Server> = inner
+        .servers
+        .values()
+        .filter(|s| !(hiding && s.hidden))
+        .collect();
     all.sort_by(|a, b| b.created.cmp(&a.created).then(b.seq.cmp(&a.seq)));
     let start = match get("marker") {
         None => 0,
@@ -978,6 +983,7 @@ async fn create_server(
         let count = req.max_count.min(allowed);
         let doomed_rate = inner.faults.create_error_rate.unwrap_or(0.0);
         let stuck = inner.faults.stuck_build.unwrap_or(false);
+        let hidden = inner.faults.hide_new_servers.unwrap_or(false);
         for i in 0..count {
             let id = uuid::Uuid::new_v4().to_string();
             let name = if count > 1 {
@@ -1005,6 +1011,7 @@ async fn create_server(
                 phase: Phase::Build,
                 deleting: false,
                 stuck,
+                hidden,
                 doomed,
                 has_ports: req.has_ports,
                 agent: None,
