@@ -655,9 +655,53 @@ pub struct OpenStackSection {
     pub cloud: Option<String>,
     /// Explicit clouds.yaml path (like `OS_CLIENT_CONFIG_FILE`).
     pub clouds_yaml: Option<PathBuf>,
-    /// Compute API microversion to request; `None` means 2.52.
+    /// Compute API microversion to request (`<major>.<minor>`, at least
+    /// [`MIN_COMPUTE_MICROVERSION`]); `None` means 2.52.
     pub compute_microversion: Option<String>,
 }
+
+/// A compute API microversion, `<major>.<minor>` (e.g. `2.52`). Ordered
+/// numerically: `2.100` is above `2.52`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Microversion {
+    /// Major version (2 for Nova's v2.1 API).
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl Microversion {
+    /// Parses `"<major>.<minor>"` (decimal numbers, nothing else; `latest`
+    /// is not a version). `None` if `s` has another form.
+    pub fn parse(s: &str) -> Option<Microversion> {
+        let (major, minor) = s.trim().split_once('.')?;
+        let num = |p: &str| {
+            (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| p.parse::<u32>().ok())
+                .flatten()
+        };
+        Some(Microversion {
+            major: num(major)?,
+            minor: num(minor)?,
+        })
+    }
+}
+
+impl std::fmt::Display for Microversion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// The lowest compute microversion vq works with, and the one requested
+/// when the config names none: 2.52 is the first that tags a server at
+/// create time. Below it a created server carries no tag, while the list's
+/// tag filter (applied from 2.26) would never show it: the controller would
+/// boot without end.
+pub const MIN_COMPUTE_MICROVERSION: Microversion = Microversion {
+    major: 2,
+    minor: 52,
+};
 
 /// Controller configuration (`/etc/vq/controller.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -711,6 +755,17 @@ impl ControllerConfig {
             ));
         }
         self.broker.problems("broker", &mut p);
+        if let Some(mv) = &self.openstack.compute_microversion {
+            match Microversion::parse(mv) {
+                None => p.push(format!(
+                    "openstack.compute_microversion: {mv:?} is not a version like {MIN_COMPUTE_MICROVERSION} (<major>.<minor>)"
+                )),
+                Some(v) if v < MIN_COMPUTE_MICROVERSION => p.push(format!(
+                    "openstack.compute_microversion: compute_microversion {v} is below {MIN_COMPUTE_MICROVERSION}, which vq needs for server tags"
+                )),
+                Some(_) => {}
+            }
+        }
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             p.push(format!(
                 "listen: {:?} is not an address like 127.0.0.1:9180",
@@ -1014,6 +1069,33 @@ mod tests {
         ] {
             assert!(all.contains(needle), "{needle} not in:\n{all}");
         }
+    }
+
+    #[test]
+    fn compute_microversions_below_what_vq_needs_are_refused() {
+        let check = |mv: &str| {
+            let text = format!(
+                "[openstack]\ncompute_microversion = \"{mv}\"\n[pools.cms]\nflavor = \"f\"\nimage = \"i\"\nagent_broker_url = \"amqp://h\"\n"
+            );
+            match parse::<ControllerConfig>("test", &text, toml::Table::new()) {
+                Ok(_) => None,
+                Err(ConfigError::Invalid { problems, .. }) => Some(problems.join("\n")),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let err = check("2.37").expect("2.37 is refused");
+        assert!(
+            err.contains("compute_microversion 2.37 is below 2.52, which vq needs for server tags"),
+            "{err}"
+        );
+        for bad in ["2.51", "2.1", "latest", "2", "two.52", "2.52.1"] {
+            assert!(check(bad).is_some(), "{bad} is accepted");
+        }
+        for good in ["2.52", "2.60", "2.96", "2.100"] {
+            assert_eq!(check(good), None, "{good} is refused");
+        }
+        assert!(Microversion::parse("2.100").unwrap() > Microversion::parse("2.52").unwrap());
+        assert_eq!(MIN_COMPUTE_MICROVERSION.to_string(), "2.52");
     }
 
     #[test]

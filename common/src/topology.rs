@@ -11,6 +11,7 @@
 //! | `<c>.jobs.<pool>` | quorum queue | the pool's job queue (virtual job table) |
 //! | `<c>.dead` | fanout exchange | jobs that could not run |
 //! | `<c>.jobs.dead` | quorum queue | dead-lettered jobs, reason in headers |
+//! | `<c>.dead.watch` | quorum queue bound to `<c>.dead` | a copy of every dead letter, consumed by the controller: it publishes `job.<pool>.failed` for those RabbitMQ made |
 //! | `<c>.events` | topic exchange | `job.<pool>.<state>`, `agent.<pool>.<kind>` |
 //! | `<c>.events.log` | stream | retained job events for `vq stat` |
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
@@ -154,6 +155,23 @@ impl Topology {
 
     /// Arguments of the dead-letter queue (a quorum queue).
     pub fn dead_queue_args(&self) -> QueueArgs {
+        vec![("x-queue-type", ArgValue::Str("quorum".into()))]
+    }
+
+    /// Queue bound to [`Topology::dead_exchange`] beside
+    /// [`Topology::dead_queue`]: a copy of every dead letter, consumed (and
+    /// acked) by the controller, which publishes the `failed` event of
+    /// every dead letter RabbitMQ made itself (delivery limit, TTL,
+    /// rejection: no `x-vq-reason` header). `<c>.jobs.dead` keeps the
+    /// letters for operators.
+    pub fn dead_watch_queue(&self) -> String {
+        format!("{}.dead.watch", self.cluster)
+    }
+
+    /// Arguments of the dead-letter watch queue (a quorum queue, no
+    /// delivery limit: a watch message the controller could not handle
+    /// goes back to it).
+    pub fn dead_watch_queue_args(&self) -> QueueArgs {
         vec![("x-queue-type", ArgValue::Str("quorum".into()))]
     }
 
@@ -317,6 +335,7 @@ mod tests {
         assert_eq!(job_event_key("cms", "started"), "job.cms.started");
         assert_eq!(t.lease_queue("farm1-cms-1"), "farm1.lease.farm1-cms-1");
         assert_eq!(t.fence_queue(), "farm1.fence");
+        assert_eq!(t.dead_watch_queue(), "farm1.dead.watch");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! `Control::AskDelete` to the agent; delete deletes the server in Nova.
 //!
 //! Idempotent by construction: a created server is in the next Nova list
-//! and counts as booting, so re-running a cycle creates no duplicates; a
+//! and counts as booting, so re-running a cycle creates no duplicates (the
+//! loop checks that it is, see [`crate::observe::CreatedWatch`]); a
 //! repeated delete of a server that is gone succeeds.
 
 use std::collections::BTreeMap;
@@ -150,8 +151,8 @@ pub fn render_user_data(
 /// What one act step did.
 #[derive(Debug, Default)]
 pub struct ActReport {
-    /// Names of servers created.
-    pub created: Vec<String>,
+    /// Servers created: `(name, id)`.
+    pub created: Vec<(String, String)>,
     /// Servers deleted, with the cause.
     pub deleted: Vec<(String, DeleteCause)>,
     /// Agents asked whether they may be deleted.
@@ -323,7 +324,7 @@ async fn boot<C: CloudApi>(
                 source: Box::new(source),
             })?;
         tracing::info!(pool = pool.name, server = %name, server_id = %id, reason, "created server");
-        report.created.push(name);
+        report.created.push((name, id));
     }
     Ok(())
 }

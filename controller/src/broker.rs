@@ -14,6 +14,12 @@
 //! letter), deletes it and removes the fence entry. The fence queue keeps
 //! the controller stateless: a restart between delete and requeue loses
 //! nothing.
+//!
+//! Dead letters ([`watch_dead_letters`]): every dead letter is copied into
+//! `<c>.dead.watch`; for each one RabbitMQ made itself (delivery limit,
+//! TTL, rejection: `x-death`, no `x-vq-reason`) the controller publishes
+//! the job's `failed` event (message id `<job_id>.failed`), confirmed, then
+//! acks. Agents and the fence publish their own dead letters' events.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex as StdMutex};
@@ -125,7 +131,12 @@ impl Broker {
     pub async fn ensure_connected(&self) -> Result<(), AmqpError> {
         let mut guard = self.session.lock().await;
         if let Some(s) = guard.as_ref() {
-            if s.conn.status().connected() && s.channel.status().connected() {
+            // A consumer that ended (its channel failed) is restarted with
+            // the whole session: dead letters must not wait unwatched.
+            if s.conn.status().connected()
+                && s.channel.status().connected()
+                && !s.tasks.iter().any(JoinHandle::is_finished)
+            {
                 return Ok(());
             }
             tracing::warn!("broker connection or channel lost; reconnecting");
@@ -154,8 +165,17 @@ impl Broker {
             &self.topo.agents_queue_args(),
         )
         .await?;
+        amqp::declare_bound_queue(
+            &channel,
+            &self.topo.dead_watch_queue(),
+            &self.topo.dead_watch_queue_args(),
+            &self.topo.dead_exchange(),
+            "",
+        )
+        .await?;
         let events = self.start_events(&conn).await?;
         let demand = self.start_demand(&conn).await?;
+        let dead = self.start_dead_watch(&conn).await?;
         let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
         {
             let mut sh = self.shared_lock();
@@ -169,7 +189,7 @@ impl Broker {
         *guard = Some(Session {
             conn,
             channel,
-            tasks: vec![events, demand, alarms],
+            tasks: vec![events, demand, alarms, dead],
         });
         Ok(())
     }
@@ -244,6 +264,36 @@ impl Broker {
         .await?;
         let shared = self.shared.clone();
         Ok(tokio::spawn(consume_demand(consumer, shared, ch)))
+    }
+
+    async fn start_dead_watch(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(op_err("channel.open (dead letters)"))?;
+        let publish = amqp::confirm_channel(conn).await?;
+        let consumer = bounded("consume dead letters", OP_TIMEOUT, async {
+            ch.basic_qos(1, BasicQosOptions::default())
+                .await
+                .map_err(op_err("basic.qos (dead letters)"))?;
+            ch.basic_consume(
+                self.topo.dead_watch_queue().into(),
+                "vq-controller-dead-watch".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(op_err("consume dead letters"))
+        })
+        .await?;
+        Ok(tokio::spawn(watch_dead_letters(
+            consumer,
+            ch,
+            publish,
+            self.topo.clone(),
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+            self.shared.clone(),
+        )))
     }
 
     /// A copy of the agent and demand state, with old records pruned.
@@ -879,6 +929,152 @@ fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicPropert
     p
 }
 
+/// The `failed` event of a dead letter RabbitMQ made itself: its
+/// `x-death` header (most recent death first; else the
+/// `x-first-death-*` headers) names the reason and the queue. `None` for
+/// dead letters vq made (they carry [`REASON_HEADER`], and their maker
+/// publishes the event) and for letters without any death record.
+///
+/// The job fields come from the body; an undecodable body still gets an
+/// event for its AMQP `message_id` (pool from the queue name), and a
+/// letter with neither gets `None`.
+pub fn broker_dead_letter_event(
+    topo: &Topology,
+    props: &BasicProperties,
+    body: &[u8],
+    at: f64,
+) -> Option<JobEvent> {
+    if header_str(props, REASON_HEADER).is_some() {
+        return None;
+    }
+    let headers = props.headers().as_ref()?;
+    let text = |v: &AMQPValue| match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    };
+    let latest = match headers.inner().get("x-death") {
+        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().find_map(|d| match d {
+            AMQPValue::FieldTable(t) => Some(t.clone()),
+            _ => None,
+        }),
+        _ => None,
+    };
+    let (reason, queue) = match &latest {
+        Some(t) => (
+            t.inner().get("reason").and_then(text),
+            t.inner().get("queue").and_then(text),
+        ),
+        None => (
+            header_str(props, "x-first-death-reason"),
+            header_str(props, "x-first-death-queue"),
+        ),
+    };
+    let reason = reason?;
+    let queue = queue.unwrap_or_default();
+    let why = match reason.as_str() {
+        "delivery_limit" => format!(
+            " (redelivered more than {} times)",
+            vq_common::topology::POOL_DELIVERY_LIMIT
+        ),
+        "expired" => " (its message TTL ran out before an agent took it)".into(),
+        "rejected" => " (rejected without requeue)".into(),
+        "maxlen" => " (the queue was over its length limit)".into(),
+        _ => String::new(),
+    };
+    let reason = format!("dead-lettered by RabbitMQ: {reason}{why} from queue {queue}");
+    let submitter = header_str(props, SUBMITTER_HEADER)
+        .or_else(|| props.user_id().as_ref().map(|u| u.to_string()));
+    let (job_id, job_name, owner, pool) = match Job::decode(body) {
+        Ok(j) => (j.id, j.name, j.owner, j.pool),
+        Err(_) => {
+            let id = props.message_id().as_ref()?.to_string();
+            let prefix = format!("{}.", topo.jobs_exchange());
+            let pool = queue.strip_prefix(&prefix).unwrap_or_default().to_string();
+            (id, String::new(), String::new(), pool)
+        }
+    };
+    Some(JobEvent {
+        schema: SCHEMA_VERSION,
+        job_id,
+        job_name,
+        owner,
+        pool,
+        agent: String::new(),
+        submitter,
+        at,
+        state: JobState::Failed { reason },
+    })
+}
+
+/// Consumes `<c>.dead.watch`: publishes the `failed` event of every dead
+/// letter RabbitMQ made ([`broker_dead_letter_event`]) on `publish`
+/// (confirmed, AMQP `message_id` `<job_id>.failed`, so a redelivered watch
+/// message yields a duplicate consumers drop), then acks. A publish that
+/// fails leaves the message unacked and ends the task (the next cycle
+/// reconnects, and the message is delivered again).
+async fn watch_dead_letters(
+    mut consumer: Consumer,
+    _ch: Channel,
+    publish: Channel,
+    topo: Topology,
+    confirm: Duration,
+    shared: Arc<StdMutex<Shared>>,
+) {
+    let blocked = move || {
+        shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .blocked
+            .is_some()
+    };
+    while let Some(delivery) = consumer.next().await {
+        let d = match delivery {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "dead-letter consumer failed");
+                break;
+            }
+        };
+        match broker_dead_letter_event(&topo, &d.properties, &d.data, unix_now()) {
+            Some(event) => {
+                let props = amqp::json_properties::<JobEvent>()
+                    .with_message_id(format!("{}.failed", event.job_id).into());
+                let sent = amqp::publish_confirmed_patiently(
+                    &publish,
+                    &topo.events_exchange(),
+                    &job_event_key(&event.pool, "failed"),
+                    &event.encode(),
+                    props,
+                    false,
+                    confirm,
+                    &blocked,
+                )
+                .await;
+                if let Err(e) = sent {
+                    tracing::warn!(job_id = %event.job_id, error = %e, "cannot publish the failed event of a dead letter; it is handled again after reconnecting");
+                    break;
+                }
+                let reason = match &event.state {
+                    JobState::Failed { reason } => reason.as_str(),
+                    _ => "",
+                };
+                tracing::warn!(pool = %event.pool, job_id = %event.job_id, reason, "job dead-lettered by RabbitMQ: failed event published");
+            }
+            None => {
+                if header_str(&d.properties, REASON_HEADER).is_none() {
+                    tracing::warn!(message_id = ?d.properties.message_id(), "dead letter without a death record, job id or vq reason: no event");
+                }
+            }
+        }
+        if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
+            tracing::warn!(error = %e, "cannot ack a dead-letter copy");
+            break;
+        }
+    }
+    tracing::warn!("dead-letter consumer ended; it restarts with the next broker connection");
+}
+
 /// Remembers that ask-delete `request_id` goes to `agent`, so that only
 /// its answer can allow the agent's VM to be deleted.
 pub fn remember_ask(shared: &mut Shared, agent: &str, request_id: &str) {
@@ -1031,6 +1227,48 @@ mod tests {
             lease_fate(None, "a1", 1, 3),
             LeaseFate::Fail { .. }
         ));
+    }
+
+    #[test]
+    fn dead_letters_made_by_rabbitmq_get_a_failed_event_and_vq_s_own_do_not() {
+        let topo = Topology::new("vq");
+        let mut death = FieldTable::default();
+        death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+        death.insert("queue".into(), AMQPValue::LongString("vq.jobs.cms".into()));
+        let mut h = FieldTable::default();
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        let props = BasicProperties::default()
+            .with_headers(h.clone())
+            .with_user_id("alice".into());
+        let body = job(true).encode();
+        let e = broker_dead_letter_event(&topo, &props, &body, 1.0).unwrap();
+        assert_eq!((e.job_id.as_str(), e.pool.as_str()), ("7.x", "cms"));
+        assert_eq!(e.submitter.as_deref(), Some("alice"));
+        let JobState::Failed { reason } = &e.state else {
+            panic!("{e:?}")
+        };
+        assert!(
+            reason.starts_with("dead-lettered by RabbitMQ: expired"),
+            "{reason}"
+        );
+        assert!(reason.ends_with("from queue vq.jobs.cms"), "{reason}");
+        // An undecodable body: the message id names it.
+        let p2 = props.clone().with_message_id("m1".into());
+        let e = broker_dead_letter_event(&topo, &p2, b"junk", 1.0).unwrap();
+        assert_eq!((e.job_id.as_str(), e.pool.as_str()), ("m1", "cms"));
+        assert!(broker_dead_letter_event(&topo, &props, b"junk", 1.0).is_none());
+        // vq's own dead letters are reported by whoever made them.
+        let mut own = h;
+        own.insert(
+            REASON_HEADER.into(),
+            AMQPValue::LongString("refused".into()),
+        );
+        let p3 = BasicProperties::default().with_headers(own);
+        assert!(broker_dead_letter_event(&topo, &p3, &body, 1.0).is_none());
+        assert!(broker_dead_letter_event(&topo, &BasicProperties::default(), &body, 1.0).is_none());
     }
 
     #[test]

@@ -49,6 +49,19 @@ pub enum CloudError {
         /// Region, if one was configured.
         region: Option<String>,
     },
+    /// The compute API does not serve the microversion vq requests: its
+    /// version document gives a range without it.
+    #[error("the compute API serves microversions {min} to {max}, but vq requests {wanted} (it needs at least {needed}, for server tags); upgrade Nova or set compute_microversion within that range")]
+    Microversion {
+        /// The microversion vq requests (the configured one, or 2.52).
+        wanted: vq_common::config::Microversion,
+        /// The lowest vq works with ([`vq_common::config::MIN_COMPUTE_MICROVERSION`]).
+        needed: vq_common::config::Microversion,
+        /// The cloud's `min_version`.
+        min: vq_common::config::Microversion,
+        /// The cloud's `version` (its maximum).
+        max: vq_common::config::Microversion,
+    },
     /// A flavor or image name matched nothing (or several things).
     #[error("cannot resolve {kind} {name:?}: {detail}")]
     Resolve {
@@ -71,6 +84,7 @@ impl CloudError {
                 matches!(status, 401 | 409 | 413 | 429) || (500..600).contains(status)
             }
             CloudError::Decode { .. }
+            | CloudError::Microversion { .. }
             | CloudError::NoEndpoint { .. }
             | CloudError::Resolve { .. } => false,
         }
@@ -276,6 +290,17 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    /// `compute_microversion` is not a version (config validation refuses
+    /// it first).
+    #[error("compute_microversion {value:?} is not a version like 2.52")]
+    Microversion {
+        /// The configured value.
+        value: String,
+    },
+    /// The compute API cannot serve what vq needs (its version document,
+    /// read at start, gives a lower maximum microversion).
+    #[error("cannot run against this cloud")]
+    Cloud(#[source] CloudError),
     /// The backoff parameters are invalid.
     #[error("invalid backoff")]
     Backoff(#[from] crate::backoff::BackoffError),

@@ -115,6 +115,13 @@ pub struct Observed {
     pub since_scale_down_secs: Option<f64>,
     /// Seconds since the last failed boot of this pool.
     pub since_boot_failure_secs: Option<f64>,
+    /// Why the pool may boot nothing (a server this controller created is
+    /// missing from the listings, see [`CreatedWatch`]); `None`: no
+    /// obstacle.
+    pub boot_obstacle: Option<String>,
+    /// Servers this controller created that no listing of the pool has
+    /// shown yet: they count as booting (see [`CreatedWatch`]).
+    pub unlisted_created: u32,
 }
 
 /// A heartbeat or answer with the controller's receive time.
@@ -232,6 +239,91 @@ pub fn assemble(
         listening_secs: clock.listening_secs,
         since_scale_down_secs: None,
         since_boot_failure_secs: None,
+        boot_obstacle: None,
+        unlisted_created: 0,
+    }
+}
+
+/// Listings after its create's response within which a created server
+/// must appear in its pool's view (see [`CreatedWatch`]).
+pub const UNLISTED_LISTINGS_LIMIT: u32 = 2;
+
+/// A server this controller created that no listing has shown yet.
+#[derive(Debug, Clone, PartialEq)]
+struct Unlisted {
+    name: String,
+    created_at: Instant,
+    missed: u32,
+}
+
+/// The servers this controller created and has not seen in a listing yet,
+/// per pool (in memory only: a restarted controller starts empty).
+///
+/// A pool boots on what its listing shows; a server it created that the
+/// listing does not show (a cloud whose list filter misses it, servers
+/// created without the tags the list filters on) would make it boot again
+/// every cycle. So such a server counts as booting, and it must be in the
+/// pool's view within [`UNLISTED_LISTINGS_LIMIT`] listings after the
+/// create's response or the pool's `boot_timeout_secs`, whichever comes
+/// first; else the pool boots nothing (its obstacle says why) until a
+/// listing shows the server.
+#[derive(Debug, Clone, Default)]
+pub struct CreatedWatch {
+    pools: BTreeMap<String, BTreeMap<String, Unlisted>>,
+}
+
+impl CreatedWatch {
+    /// Remembers that server `id` (`name`) of `pool` was created at `now`
+    /// (the create's response). Call it after the cycle's listing.
+    pub fn created(&mut self, pool: &str, id: &str, name: &str, now: Instant) {
+        self.pools.entry(pool.to_string()).or_default().insert(
+            id.to_string(),
+            Unlisted {
+                name: name.to_string(),
+                created_at: now,
+                missed: 0,
+            },
+        );
+    }
+
+    /// Takes one complete listing of `pool` (the ids of its view): servers
+    /// in it are forgotten, the others have missed one more listing.
+    /// Returns how many created servers are still unlisted and the pool's
+    /// obstacle: the oldest server past the bound, or `None`.
+    pub fn listed<'a>(
+        &mut self,
+        pool: &str,
+        listed_ids: impl IntoIterator<Item = &'a str>,
+        boot_timeout_secs: u64,
+        now: Instant,
+    ) -> (u32, Option<String>) {
+        let Some(unlisted) = self.pools.get_mut(pool) else {
+            return (0, None);
+        };
+        for id in listed_ids {
+            if let Some(u) = unlisted.remove(id) {
+                tracing::debug!(pool, server = %u.name, server_id = id, "created server listed");
+            }
+        }
+        for u in unlisted.values_mut() {
+            u.missed = u.missed.saturating_add(1);
+        }
+        let obstacle = unlisted
+            .iter()
+            .filter(|(_, u)| {
+                u.missed >= UNLISTED_LISTINGS_LIMIT
+                    || now.saturating_duration_since(u.created_at).as_secs() >= boot_timeout_secs
+            })
+            .min_by_key(|(_, u)| u.created_at)
+            .map(|(id, u)| {
+                format!(
+                    "server {} ({id}), created by this controller {:.0} s ago, is missing from the {} server listings since: the controller cannot see the servers it boots (is the cloud's tag filter or compute microversion wrong?), so the pool boots no more until a listing shows it or the controller is restarted",
+                    u.name,
+                    now.saturating_duration_since(u.created_at).as_secs_f64(),
+                    u.missed
+                )
+            });
+        (unlisted.len() as u32, obstacle)
     }
 }
 
@@ -239,6 +331,39 @@ pub fn assemble(
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_created_server_missing_from_two_listings_is_an_obstacle_until_listed() {
+        let t0 = Instant::now();
+        let mut w = CreatedWatch::default();
+        assert_eq!(w.listed("cms", [], 600, t0), (0, None));
+        w.created("cms", "id-1", "vq-cms-1", t0);
+        assert_eq!(w.listed("other", [], 600, t0), (0, None));
+        assert_eq!(
+            w.listed("cms", ["id-0"], 600, t0),
+            (1, None),
+            "one listing missed: booting"
+        );
+        let (n, o) = w.listed("cms", [], 600, t0);
+        let o = o.expect("two listings missed");
+        assert_eq!(n, 1);
+        assert!(o.contains("vq-cms-1") && o.contains("id-1"), "{o}");
+        assert!(w.listed("cms", [], 600, t0).1.is_some(), "still missing");
+        assert_eq!(
+            w.listed("cms", ["id-1"], 600, t0),
+            (0, None),
+            "listed at last"
+        );
+        assert_eq!(
+            w.listed("cms", [], 600, t0),
+            (0, None),
+            "forgotten once listed"
+        );
+        // The boot timeout bounds it too.
+        w.created("cms", "id-2", "vq-cms-2", t0);
+        let later = t0 + Duration::from_secs(30);
+        assert!(w.listed("cms", [], 30, later).1.is_some());
+    }
 
     fn server(name: &str, pool: &str) -> Server {
         Server {

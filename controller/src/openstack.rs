@@ -17,14 +17,14 @@ use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
-use vq_common::config::OpenStackSection;
+use vq_common::config::{Microversion, OpenStackSection, MIN_COMPUTE_MICROVERSION};
 use vq_common::messages::unix_now;
 
 use crate::error::{CloudError, CredentialsError};
 
 /// Compute microversion requested when the config names none: 2.52 is the
 /// first with server tags at create time (and 2.37+ requires `networks`).
-pub const DEFAULT_COMPUTE_MICROVERSION: &str = "2.52";
+pub const DEFAULT_COMPUTE_MICROVERSION: Microversion = MIN_COMPUTE_MICROVERSION;
 
 /// A token is renewed when it has less than this left, seconds.
 pub const TOKEN_RENEW_MARGIN_SECS: f64 = 300.0;
@@ -628,7 +628,7 @@ struct Session {
 pub struct HttpCloud {
     client: reqwest::Client,
     creds: Credentials,
-    microversion: String,
+    microversion: Microversion,
     session: Mutex<Option<Session>>,
     flavors: Mutex<BTreeMap<String, String>>,
     images: Mutex<BTreeMap<String, String>>,
@@ -720,10 +720,76 @@ fn retry_after(resp: &Response) -> Option<Duration> {
         .map(Duration::from_secs)
 }
 
-fn microversion_at_least(mv: &str, major: u32, minor: u32) -> bool {
-    let mut parts = mv.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    let (a, b) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    (a, b) >= (major, minor)
+fn microversion_at_least(mv: Microversion, major: u32, minor: u32) -> bool {
+    mv >= Microversion { major, minor }
+}
+
+/// The microversion range of the compute API, from its version document
+/// (`GET <compute endpoint>/`: `{"version": {"id": "v2.1", "version":
+/// "2.95", "min_version": "2.1", …}}`, Nova's "Show Details of Specific API
+/// Version").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComputeVersions {
+    /// `min_version`.
+    pub min: Microversion,
+    /// `version`: the highest microversion the cloud serves.
+    pub max: Microversion,
+}
+
+impl ComputeVersions {
+    /// Whether `mv` is within the range.
+    pub fn serves(&self, mv: Microversion) -> bool {
+        self.min <= mv && mv <= self.max
+    }
+
+    /// Reads the range from a version document: `{"version": {…}}`, or
+    /// `{"versions": […]}` (an unversioned root; the `v2.1` entry). An empty
+    /// `version` (the legacy v2.0 API, no microversions) counts as 2.0.
+    ///
+    /// # Errors
+    /// A description of what is missing or malformed.
+    pub fn from_document(doc: &Value) -> Result<ComputeVersions, String> {
+        let entry = match (doc.get("version"), doc.get("versions")) {
+            (Some(v), _) => v,
+            (None, Some(Value::Array(all))) => all
+                .iter()
+                .find(|v| v.get("id").and_then(Value::as_str) == Some("v2.1"))
+                .ok_or("no v2.1 entry in versions")?,
+            _ => return Err("neither version nor versions in the document".into()),
+        };
+        let field = |k: &str| -> Result<Microversion, String> {
+            match entry.get(k).and_then(Value::as_str) {
+                Some("") => Ok(Microversion { major: 2, minor: 0 }),
+                Some(s) => {
+                    Microversion::parse(s).ok_or_else(|| format!("{k} {s:?} is not a version"))
+                }
+                None => Err(format!("no {k} in the version document")),
+            }
+        };
+        Ok(ComputeVersions {
+            min: field("min_version")?,
+            max: field("version")?,
+        })
+    }
+}
+
+/// The version root of a compute endpoint: the endpoint itself, or its
+/// parent when the catalog URL ends in a project id after the version
+/// (`…/v2.1/<project>`), with a trailing `/`.
+fn version_root(compute: &str) -> String {
+    let is_version = |seg: &str| {
+        seg.strip_prefix('v')
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit() || b == b'.'))
+    };
+    let trimmed = compute.trim_end_matches('/');
+    match trimmed.rsplit_once('/') {
+        Some((parent, last))
+            if !is_version(last) && parent.rsplit('/').next().is_some_and(is_version) =>
+        {
+            format!("{parent}/")
+        }
+        _ => format!("{trimmed}/"),
+    }
 }
 
 #[derive(Deserialize)]
@@ -788,12 +854,16 @@ struct Link {
 impl HttpCloud {
     /// A client for `creds`, requesting compute microversion `microversion`
     /// (`None`: [`DEFAULT_COMPUTE_MICROVERSION`]). Does no I/O; the first
-    /// call authenticates.
+    /// call authenticates. [`HttpCloud::check_compute_version`] tells
+    /// whether the cloud serves that microversion.
     ///
     /// # Errors
     /// The reqwest error if the HTTP client cannot be built (no rustls
     /// provider installed).
-    pub fn new(creds: Credentials, microversion: Option<String>) -> Result<Self, reqwest::Error> {
+    pub fn new(
+        creds: Credentials,
+        microversion: Option<Microversion>,
+    ) -> Result<Self, reqwest::Error> {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(60))
@@ -802,7 +872,7 @@ impl HttpCloud {
         Ok(HttpCloud {
             client,
             creds,
-            microversion: microversion.unwrap_or_else(|| DEFAULT_COMPUTE_MICROVERSION.into()),
+            microversion: microversion.unwrap_or(DEFAULT_COMPUTE_MICROVERSION),
             session: Mutex::new(None),
             flavors: Mutex::new(BTreeMap::new()),
             images: Mutex::new(BTreeMap::new()),
@@ -812,6 +882,75 @@ impl HttpCloud {
     /// The credentials in use.
     pub fn credentials(&self) -> &Credentials {
         &self.creds
+    }
+
+    /// The compute microversion this client requests.
+    pub fn microversion(&self) -> Microversion {
+        self.microversion
+    }
+
+    /// Reads the compute API's version document (`GET` on the compute
+    /// endpoint's version root, sent without a microversion header, which
+    /// an older API would refuse) and returns its microversion range.
+    ///
+    /// # Errors
+    /// [`CloudError`] if it cannot be read or has no microversion range.
+    pub async fn compute_versions(&self) -> Result<ComputeVersions, CloudError> {
+        let mut renewed = false;
+        loop {
+            let session = self.session(renewed).await?;
+            let url = version_root(&session.compute);
+            let op = format!("GET {url}");
+            let resp = self
+                .client
+                .get(&url)
+                .header("X-Auth-Token", &session.token)
+                .header("Accept", "application/json")
+                .send()
+                .await
+                .map_err(|source| CloudError::Transport {
+                    op: op.clone(),
+                    source,
+                })?;
+            let status = resp.status();
+            if status == StatusCode::UNAUTHORIZED && !renewed {
+                renewed = true;
+                continue;
+            }
+            if !status.is_success() {
+                let ra = retry_after(&resp);
+                let body = resp.text().await.unwrap_or_default();
+                return Err(CloudError::Status {
+                    op,
+                    status: status.as_u16(),
+                    message: fault_message(&body),
+                    retry_after: ra,
+                });
+            }
+            let doc: Value = Self::json(&op, resp).await?;
+            return ComputeVersions::from_document(&doc)
+                .map_err(|detail| CloudError::Decode { op, detail });
+        }
+    }
+
+    /// Reads the compute API's version document and checks that it serves
+    /// the microversion this client requests.
+    ///
+    /// # Errors
+    /// [`CloudError::Microversion`] (naming both versions) when it does
+    /// not; any other [`CloudError`] when the document cannot be read.
+    pub async fn check_compute_version(&self) -> Result<ComputeVersions, CloudError> {
+        let v = self.compute_versions().await?;
+        if v.serves(self.microversion) {
+            Ok(v)
+        } else {
+            Err(CloudError::Microversion {
+                wanted: self.microversion,
+                needed: MIN_COMPUTE_MICROVERSION,
+                min: v.min,
+                max: v.max,
+            })
+        }
     }
 
     async fn authenticate(&self) -> Result<Session, CloudError> {
@@ -912,7 +1051,10 @@ impl HttpCloud {
                     "OpenStack-API-Version",
                     format!("compute {}", self.microversion),
                 )
-                .header("X-OpenStack-Nova-API-Version", &self.microversion)
+                .header(
+                    "X-OpenStack-Nova-API-Version",
+                    self.microversion.to_string(),
+                )
                 .header("Accept", "application/json")
                 .send()
                 .await
@@ -931,6 +1073,18 @@ impl HttpCloud {
             }
             let ra = retry_after(&resp);
             let body = resp.text().await.unwrap_or_default();
+            if status == StatusCode::NOT_ACCEPTABLE {
+                // Microversion not acceptable: the cloud may have been
+                // downgraded (or was unreadable at start). Its version
+                // document says which versions it serves.
+                match self.check_compute_version().await {
+                    Err(e @ CloudError::Microversion { .. }) => return Err(e),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(op, error = %e, "answered 406 and the compute version document cannot be read")
+                    }
+                }
+            }
             return Err(CloudError::Status {
                 op: op.into(),
                 status: status.as_u16(),
@@ -1008,14 +1162,14 @@ impl CloudApi for HttpCloud {
             "max_count": 1,
         });
         let obj = server.as_object_mut().expect("json object");
-        if !req.tags.is_empty() && microversion_at_least(&self.microversion, 2, 52) {
+        if !req.tags.is_empty() && microversion_at_least(self.microversion, 2, 52) {
             obj.insert("tags".into(), json!(req.tags));
         }
         match &req.network {
             Some(net) => {
                 obj.insert("networks".into(), json!([{ "uuid": net }]));
             }
-            None if microversion_at_least(&self.microversion, 2, 37) => {
+            None if microversion_at_least(self.microversion, 2, 37) => {
                 obj.insert("networks".into(), json!("none"));
             }
             None => {}
@@ -1370,6 +1524,41 @@ mod tests {
             Some("http://int")
         );
         assert_eq!(pick_endpoint(&catalog, "image", "public", None), None);
+    }
+
+    #[test]
+    fn version_documents_give_the_microversion_range() {
+        let mv = |s| Microversion::parse(s).unwrap();
+        let one = json!({"version": {"id": "v2.1", "status": "CURRENT", "version": "2.95", "min_version": "2.1"}});
+        let v = ComputeVersions::from_document(&one).unwrap();
+        assert_eq!((v.min, v.max), (mv("2.1"), mv("2.95")));
+        assert!(v.serves(mv("2.52")) && !v.serves(mv("2.96")));
+        let all = json!({"versions": [
+            {"id": "v2.0", "version": "", "min_version": ""},
+            {"id": "v2.1", "version": "2.40", "min_version": "2.1"}
+        ]});
+        let v = ComputeVersions::from_document(&all).unwrap();
+        assert!(!v.serves(DEFAULT_COMPUTE_MICROVERSION));
+        assert_eq!(v.max, mv("2.40"));
+        assert!(ComputeVersions::from_document(&json!({"version": {"id": "v2.1"}})).is_err());
+        assert_eq!(
+            version_root("http://n/compute/v2.1"),
+            "http://n/compute/v2.1/"
+        );
+        assert_eq!(
+            version_root("http://n:8774/v2.1/abc123"),
+            "http://n:8774/v2.1/"
+        );
+        assert_eq!(version_root("http://n:8774/"), "http://n:8774/");
+        let e = CloudError::Microversion {
+            wanted: mv("2.52"),
+            needed: MIN_COMPUTE_MICROVERSION,
+            min: mv("2.1"),
+            max: mv("2.40"),
+        };
+        assert!(!e.is_transient());
+        let msg = e.to_string();
+        assert!(msg.contains("2.40") && msg.contains("2.52"), "{msg}");
     }
 
     #[test]

@@ -279,7 +279,9 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         .collect();
     let count = |f: &dyn Fn(Class) -> bool| classes.iter().filter(|c| f(**c)).count() as u32;
     let va = count(&|c| matches!(c, Class::Idle | Class::Busy));
-    let vb = count(&|c| matches!(c, Class::Booting | Class::Unknown));
+    // Servers created but not listed yet boot too: booting again for them
+    // would boot twice.
+    let vb = count(&|c| matches!(c, Class::Booting | Class::Unknown)) + obs.unlisted_created;
     let slots = u64::from(pool.slots.max(1));
     let demand = obs.queued.saturating_add(obs.running);
     let wanted = demand.div_ceil(slots).min(u64::from(u32::MAX)) as u32;
@@ -323,7 +325,7 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         }
     }
     let vanishing = count(&|c| c == Class::Vanishing);
-    let kept = obs.servers.len() as u32 - deleted - vanishing;
+    let kept = obs.servers.len() as u32 - deleted - vanishing + obs.unlisted_created;
 
     let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
     let why = format!(
@@ -346,6 +348,12 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                     "{why}: wanted {n} more, but the instance quota allows only {q}"
                 ));
                 n = q;
+            }
+        }
+        if let Some(why_not) = obs.boot_obstacle.as_deref() {
+            if n > 0 {
+                held.push(format!("{why}: boot of {n} held back: {why_not}"));
+                n = 0;
             }
         }
         if let Some(since) = obs.since_boot_failure_secs {
@@ -479,6 +487,8 @@ mod tests {
             listening_secs: 1000.0,
             since_scale_down_secs: None,
             since_boot_failure_secs: None,
+            boot_obstacle: None,
+            unlisted_created: 0,
         }
     }
 
@@ -510,6 +520,29 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_boot_obstacle_holds_boots_but_not_deletes() {
+        let mut o = obs(vec![srv("e", NovaStatus::Error, 10.0, None)], 5, 0);
+        o.boot_obstacle = Some("server x is missing from the listings".into());
+        let p = plan(&o, &pool(0, 10, 1), T);
+        assert_eq!(boots(&p), 0);
+        assert_eq!(deletes(&p).len(), 1);
+        assert!(p
+            .held
+            .iter()
+            .any(|h| h.contains("missing from the listings")));
+    }
+
+    #[test]
+    fn created_servers_not_listed_yet_count_as_booting() {
+        let mut o = obs(vec![], 3, 0);
+        o.unlisted_created = 2;
+        let p = plan(&o, &pool(0, 10, 1), T);
+        assert_eq!((p.booting, boots(&p)), (2, 1));
+        let p = plan(&o, &pool(0, 2, 1), T);
+        assert_eq!(boots(&p), 0, "max counts them");
     }
 
     #[test]

@@ -12,16 +12,16 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use vq_common::amqp::AmqpError;
-use vq_common::config::ControllerConfig;
+use vq_common::config::{ControllerConfig, Microversion};
 use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
 use crate::act::{act, Messenger, PoolRef};
 use crate::backoff::{Backoff, PoolBackoff};
 use crate::broker::{Broker, EventSnapshot, FenceReport};
-use crate::error::{ObserveError, RunError};
+use crate::error::{CloudError, ObserveError, RunError};
 use crate::http::{AppState, Metrics};
-use crate::observe::{assemble, Clock};
+use crate::observe::{assemble, Clock, CreatedWatch};
 use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Action, Class, Timing};
 use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
@@ -134,6 +134,8 @@ pub struct Controller<C, B> {
     /// is judged by the registry only after a whole heartbeat timeout in it
     /// (a new agent registers before its first heartbeat).
     registry_first_seen: BTreeMap<String, Instant>,
+    /// Servers this controller created that no listing has shown yet.
+    created_watch: CreatedWatch,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -171,6 +173,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             last_scale_down: BTreeMap::new(),
             last_boot_failure: BTreeMap::new(),
             registry_first_seen: BTreeMap::new(),
+            created_watch: CreatedWatch::default(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
@@ -347,6 +350,28 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             };
             observed.since_scale_down_secs = since(&self.last_scale_down);
             observed.since_boot_failure_secs = since(&self.last_boot_failure);
+            (observed.unlisted_created, observed.boot_obstacle) = self.created_watch.listed(
+                &pool,
+                observed.servers.iter().map(|s| s.id.as_str()),
+                pool_cfg.boot_timeout_secs,
+                now,
+            );
+            let was_stopped = self
+                .status
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .pools
+                .get(&pool)
+                .is_some_and(|ps| ps.obstacle.is_some());
+            match (&observed.boot_obstacle, was_stopped) {
+                (Some(why), false) => {
+                    tracing::warn!(pool = %pool, reason = %why, "boots stopped")
+                }
+                (None, true) => {
+                    tracing::info!(pool = %pool, "created servers listed again: boots resume")
+                }
+                _ => {}
+            }
             let planned = plan(&observed, &pool_cfg, timing);
             for h in &planned.held {
                 tracing::info!(pool = %pool, reason = %h, "held back");
@@ -374,6 +399,10 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             .await;
             if let Some(q) = quota.as_mut() {
                 *q = q.saturating_sub(report.created.len() as u32);
+            }
+            let created_at = Instant::now();
+            for (name, id) in &report.created {
+                self.created_watch.created(&pool, id, name, created_at);
             }
             summary.created += report.created.len() as u32;
             summary.deleted += report.deleted.len() as u32;
@@ -611,6 +640,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         ps.servers = servers;
         ps.observed_at = now;
         ps.last_error = None;
+        ps.obstacle = observed.boot_obstacle.clone();
         for a in &planned.actions {
             ps.last_decisions.push(Decision {
                 at: now as u64,
@@ -663,8 +693,24 @@ pub async fn run(
     let env = |k: &str| std::env::var(k).ok();
     let creds = Credentials::discover(&cfg.openstack, &env)?;
     tracing::info!(origin = %creds.origin, auth_url = %creds.auth_url, "OpenStack credentials found");
-    let cloud = HttpCloud::new(creds, cfg.openstack.compute_microversion.clone())
-        .map_err(RunError::HttpClient)?;
+    let microversion = match cfg.openstack.compute_microversion.as_deref() {
+        None => None,
+        Some(s) => {
+            Some(Microversion::parse(s).ok_or_else(|| RunError::Microversion { value: s.into() })?)
+        }
+    };
+    let cloud = HttpCloud::new(creds, microversion).map_err(RunError::HttpClient)?;
+    // A cloud older than vq needs would answer every request 406 (or, below
+    // 2.52 requested, list nothing vq booted): refuse to start. A cloud
+    // that cannot be read now is checked again when it answers 406.
+    tokio::select! {
+        checked = cloud.check_compute_version() => match checked {
+            Ok(v) => tracing::info!(min = %v.min, max = %v.max, requested = %cloud.microversion(), "compute API microversions"),
+            Err(e @ CloudError::Microversion { .. }) => return Err(RunError::Cloud(e)),
+            Err(e) => tracing::warn!(error = %e, cause = ?std::error::Error::source(&e).map(|s| s.to_string()), "cannot read the compute API's version document now; it is read again when a request is answered 406"),
+        },
+        _ = shutdown.cancelled() => return Ok(()),
+    }
     let broker = Broker::new(
         cfg.broker.clone(),
         Topology::new(cfg.cluster.clone()),

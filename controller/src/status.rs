@@ -22,7 +22,8 @@
 //!          "reason": "target 4 VMs for 12 queued + 4 running jobs at 4 slots/VM; 3 exist"}
 //!       ],
 //!       "observed_at": 1764412799.0,
-//!       "last_error": null
+//!       "last_error": null,
+//!       "obstacle": null
 //!     }
 //!   }
 //! }
@@ -32,6 +33,10 @@
 //! (no heartbeat yet), `unknown` (controller just started, no heartbeat
 //! seen), `dead` (heartbeats stopped) or `none` (server in ERROR or
 //! stuck).
+//!
+//! `obstacle` is set while the pool boots nothing because something keeps
+//! it from seeing what it boots (a server it created is missing from the
+//! server listings); it says which server and why.
 
 use std::collections::BTreeMap;
 
@@ -75,6 +80,10 @@ pub struct PoolStatus {
     /// The last error of the pool's cycle, if the last cycle failed.
     #[serde(default)]
     pub last_error: Option<String>,
+    /// Why the pool boots nothing at the moment, if something stops it
+    /// (see the module doc); `None` when it may boot.
+    #[serde(default)]
+    pub obstacle: Option<String>,
 }
 
 /// VM counts of a pool.

@@ -5,7 +5,7 @@
 //! prints as `-`. Expected shape (see `controller/src/status.rs`):
 //! `{"cluster": …, "pools": {"<pool>": {"queued", "running", "target",
 //! "vms": {"booting", "active", "draining", "error"},
-//! "agents": {"idle", "busy", "draining"}, "last_error"}}}`.
+//! "agents": {"idle", "busy", "draining"}, "last_error", "obstacle"}}}`.
 
 use std::time::Duration;
 
@@ -63,6 +63,9 @@ pub fn render(status: &Value) -> Option<String> {
         ]);
         if let Some(err) = p.get("last_error").and_then(Value::as_str) {
             errors.push(format!("{name}: last error: {err}\n"));
+        }
+        if let Some(why) = p.get("obstacle").and_then(Value::as_str) {
+            errors.push(format!("{name}: boots stopped: {why}\n"));
         }
     }
     let mut widths = header.map(str::len);
@@ -150,7 +153,8 @@ mod tests {
                         "vms": {"booting": 1, "active": 3, "draining": 0, "error": 0},
                         "agents": {"idle": 0, "busy": 3, "draining": 0},
                         "last_error": null},
-                "atlas": {"queued": 0, "last_error": "quota exceeded"}
+                "atlas": {"queued": 0, "last_error": "quota exceeded",
+                          "obstacle": "server x is missing from the listings"}
             }
         });
         let text = render(&status).unwrap();
@@ -165,6 +169,10 @@ mod tests {
             "{text}"
         );
         assert_eq!(lines[3], "atlas: last error: quota exceeded");
+        assert_eq!(
+            lines[4],
+            "atlas: boots stopped: server x is missing from the listings"
+        );
         assert!(render(&serde_json::json!({"x": 1})).is_none());
         assert_eq!(
             render(&serde_json::json!({"pools": {}})).unwrap(),

@@ -62,6 +62,9 @@ struct Args {
     /// Secret of the application credential.
     #[arg(long, requires = "app_cred_id")]
     app_cred_secret: Option<String>,
+    /// Highest compute microversion served is 2.<this> (an older Nova).
+    #[arg(long, default_value_t = vq_tests::cloudsim::MAX_COMPUTE_MINOR)]
+    compute_max_minor: u32,
 }
 
 fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
@@ -108,6 +111,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         password: args.password,
         project: args.project,
         app_cred: args.app_cred_id.zip(args.app_cred_secret),
+        compute_max_minor: args.compute_max_minor,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

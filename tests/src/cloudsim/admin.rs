@@ -54,6 +54,14 @@ pub struct Faults {
     /// Servers created while this is true never leave BUILD.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stuck_build: Option<bool>,
+    /// Servers created while this is true are missing from every server
+    /// listing (`GET /servers`, `/servers/detail`) as long as it stays true,
+    /// like a cloud whose list does not show what it just created (a tag
+    /// filter that ignores the tags, an eventually consistent cell). They
+    /// exist, boot and count against the quota; setting it to false shows
+    /// them again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hide_new_servers: Option<bool>,
     /// Failure rules; a POST appends its rules to the pending ones.
     #[serde(default)]
     pub fail_next: Vec<FailRule>,
@@ -83,6 +91,7 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
                 "task_state": s.task_state(),
                 "metadata": s.metadata,
                 "tags": s.tags,
+                "hidden": s.hidden,
                 "agent_pid": s.agent.as_ref().map(|a| a.pid),
                 "agent_running": s.agent.as_ref().is_some_and(|a| a.running),
                 "agent_exit": s.agent.as_ref().and_then(|a| a.exit.clone()),
@@ -123,6 +132,9 @@ async fn post_faults(State(state): State<Arc<SimState>>, body: Bytes) -> Respons
     }
     if update.stuck_build.is_some() {
         inner.faults.stuck_build = update.stuck_build;
+    }
+    if update.hide_new_servers.is_some() {
+        inner.faults.hide_new_servers = update.hide_new_servers;
     }
     inner.faults.fail_next.extend(update.fail_next);
     if update.expire_tokens_now == Some(true) {

@@ -19,8 +19,9 @@ use super::image;
 use super::state::{flavor, Flavor, Phase, Server, SimState, FLAVORS};
 use super::timefmt::{iso8601, Style};
 
-/// Highest microversion served.
-pub(crate) const MAX_MINOR: u32 = 96;
+/// Highest compute microversion the test cloud can serve, `2.96` (the
+/// default of [`super::SimConfig::compute_max_minor`]).
+pub const MAX_COMPUTE_MINOR: u32 = 96;
 /// Nova's `osapi_max_limit`: the page size cap.
 const MAX_LIMIT: usize = 1000;
 /// Nova's `maxLength` of the base64 `user_data` string.
@@ -115,8 +116,9 @@ impl Mv {
     }
 }
 
-/// Parse `OpenStack-API-Version: compute X` or `X-OpenStack-Nova-API-Version: X`.
-fn negotiate(headers: &HeaderMap) -> Result<Mv, NovaFault> {
+/// Parse `OpenStack-API-Version: compute X` or `X-OpenStack-Nova-API-Version: X`
+/// against the served range `2.1 ..= 2.<max_minor>`.
+fn negotiate(headers: &HeaderMap, max_minor: u32) -> Result<Mv, NovaFault> {
     let from_new = headers
         .get_all("OpenStack-API-Version")
         .iter()
@@ -141,7 +143,7 @@ fn negotiate(headers: &HeaderMap) -> Result<Mv, NovaFault> {
         return Ok(Mv(1));
     };
     if requested.eq_ignore_ascii_case("latest") {
-        return Ok(Mv(MAX_MINOR));
+        return Ok(Mv(max_minor));
     }
     let parsed = requested
         .split_once('.')
@@ -150,11 +152,11 @@ fn negotiate(headers: &HeaderMap) -> Result<Mv, NovaFault> {
         None => Err(NovaFault::bad(format!(
             "API Version String {requested} is of invalid format. Must be of format MajorNum.MinorNum."
         ))),
-        Some((2, minor)) if (1..=MAX_MINOR).contains(&minor) => Ok(Mv(minor)),
+        Some((2, minor)) if (1..=max_minor).contains(&minor) => Ok(Mv(minor)),
         Some(_) => Err(NovaFault::new(
             StatusCode::NOT_ACCEPTABLE,
             format!(
-                "Version {requested} is not supported by the API. Minimum is 2.1 and maximum is 2.{MAX_MINOR}."
+                "Version {requested} is not supported by the API. Minimum is 2.1 and maximum is 2.{max_minor}."
             ),
         )),
     }
@@ -180,8 +182,12 @@ fn version_headers(resp: &mut Response, mv: Mv) {
     }
 }
 
-async fn microversion(mut req: Request, next: Next) -> Response {
-    match negotiate(req.headers()) {
+async fn microversion(
+    State(state): State<Arc<SimState>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    match negotiate(req.headers(), state.config.compute_max_minor) {
         Ok(mv) => {
             req.extensions_mut().insert(mv);
             let mut resp = next.run(req).await;
@@ -245,7 +251,10 @@ pub(crate) fn router(state: Arc<SimState>) -> Router {
         .route(P, get(version))
         .route(&format!("{P}/"), get(version))
         .merge(authed)
-        .layer(axum::middleware::from_fn(microversion))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            microversion,
+        ))
         .with_state(state)
 }
 
@@ -253,7 +262,7 @@ fn version_doc(state: &SimState) -> Value {
     json!({
         "id": "v2.1",
         "status": "CURRENT",
-        "version": format!("2.{MAX_MINOR}"),
+        "version": format!("2.{}", state.config.compute_max_minor),
         "min_version": "2.1",
         "updated": "2013-07-23T11:33:21Z",
         "links": [
@@ -484,7 +493,12 @@ fn select_servers(
     let (not_all, not_any) = (tag_list("not-tags"), tag_list("not-tags-any"));
 
     let inner = state.lock();
-    let mut all: Vec<&Server> = inner.servers.values().collect();
+    let hiding = inner.faults.hide_new_servers.unwrap_or(false);
+    let mut all: Vec<&Server> = inner
+        .servers
+        .values()
+        .filter(|s| !(hiding && s.hidden))
+        .collect();
     all.sort_by(|a, b| b.created.cmp(&a.created).then(b.seq.cmp(&a.seq)));
     let start = match get("marker") {
         None => 0,
@@ -969,6 +983,7 @@ async fn create_server(
         let count = req.max_count.min(allowed);
         let doomed_rate = inner.faults.create_error_rate.unwrap_or(0.0);
         let stuck = inner.faults.stuck_build.unwrap_or(false);
+        let hidden = inner.faults.hide_new_servers.unwrap_or(false);
         for i in 0..count {
             let id = uuid::Uuid::new_v4().to_string();
             let name = if count > 1 {
@@ -996,6 +1011,7 @@ async fn create_server(
                 phase: Phase::Build,
                 deleting: false,
                 stuck,
+                hidden,
                 doomed,
                 has_ports: req.has_ports,
                 agent: None,
@@ -1248,25 +1264,46 @@ mod tests {
 
     #[test]
     fn microversion_defaults_to_2_1_and_honours_both_headers() {
-        assert_eq!(negotiate(&headers(&[])).map(|m| m.0).ok(), Some(1));
+        assert_eq!(
+            negotiate(&headers(&[]), MAX_COMPUTE_MINOR)
+                .map(|m| m.0)
+                .ok(),
+            Some(1)
+        );
         let new = headers(&[("OpenStack-API-Version", "volume 3.0, compute 2.52")]);
-        assert_eq!(negotiate(&new).map(|m| m.0).ok(), Some(52));
+        assert_eq!(
+            negotiate(&new, MAX_COMPUTE_MINOR).map(|m| m.0).ok(),
+            Some(52)
+        );
         let old = headers(&[("X-OpenStack-Nova-API-Version", "2.37")]);
-        assert_eq!(negotiate(&old).map(|m| m.0).ok(), Some(37));
+        assert_eq!(
+            negotiate(&old, MAX_COMPUTE_MINOR).map(|m| m.0).ok(),
+            Some(37)
+        );
         let latest = headers(&[("OpenStack-API-Version", "compute latest")]);
-        assert_eq!(negotiate(&latest).map(|m| m.0).ok(), Some(MAX_MINOR));
+        assert_eq!(
+            negotiate(&latest, MAX_COMPUTE_MINOR).map(|m| m.0).ok(),
+            Some(MAX_COMPUTE_MINOR)
+        );
+        // An older cloud: 2.52 is above its maximum.
+        let older = headers(&[("OpenStack-API-Version", "compute 2.52")]);
+        assert_eq!(
+            negotiate(&older, 40).err().map(|f| f.status),
+            Some(StatusCode::NOT_ACCEPTABLE)
+        );
+        assert_eq!(negotiate(&latest, 40).map(|m| m.0).ok(), Some(40));
     }
 
     #[test]
     fn microversion_out_of_range_is_406_and_garbage_is_400() {
         let high = headers(&[("OpenStack-API-Version", "compute 2.200")]);
         assert_eq!(
-            negotiate(&high).err().map(|f| f.status),
+            negotiate(&high, MAX_COMPUTE_MINOR).err().map(|f| f.status),
             Some(StatusCode::NOT_ACCEPTABLE)
         );
         let junk = headers(&[("OpenStack-API-Version", "compute two")]);
         assert_eq!(
-            negotiate(&junk).err().map(|f| f.status),
+            negotiate(&junk, MAX_COMPUTE_MINOR).err().map(|f| f.status),
             Some(StatusCode::BAD_REQUEST)
         );
     }

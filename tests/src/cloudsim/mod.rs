@@ -1,7 +1,7 @@
 //! `vq-cloudsim`: an embedded OpenStack-compatible test cloud.
 //!
 //! It serves the subset of Keystone v3, Nova v2.1 (microversions 2.1 to
-//! 2.96) and Glance v2 that vq uses, with the same paths, headers, status
+//! 2.96, or a lower maximum set by [`SimConfig::compute_max_minor`]) and Glance v2 that vq uses, with the same paths, headers, status
 //! codes and JSON shapes as the real services, so the controller's production
 //! OpenStack client runs unchanged against it. A server "boots" by running the
 //! identity file of its `#cloud-config` user data through cloud-init's
@@ -39,6 +39,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use admin::{FailRule, Faults};
+pub use compute::MAX_COMPUTE_MINOR;
 pub use image::{CIRROS_IMAGE_ID, WORKER_IMAGE_ID};
 pub use vm::{kill_process_tree, IDENTITY_PATH};
 
@@ -83,6 +84,10 @@ pub struct SimConfig {
     pub project: String,
     /// Application credential `(id, secret)` accepted for the user's project.
     pub app_cred: Option<(String, String)>,
+    /// Highest compute microversion served is `2.<compute_max_minor>`
+    /// (default [`MAX_COMPUTE_MINOR`], 96). The version document says so and
+    /// a request for a higher one is answered 406, as an older Nova does.
+    pub compute_max_minor: u32,
 }
 
 impl SimConfig {
@@ -109,6 +114,7 @@ impl SimConfig {
             password: "demo-secret".into(),
             project: "demo".into(),
             app_cred: None,
+            compute_max_minor: MAX_COMPUTE_MINOR,
         }
     }
 }

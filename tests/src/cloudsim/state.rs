@@ -101,6 +101,9 @@ pub(crate) struct Server {
     pub deleting: bool,
     /// Created while `stuck_build` was set: never leaves BUILD.
     pub stuck: bool,
+    /// Created while `hide_new_servers` was set: missing from listings
+    /// while it stays set.
+    pub hidden: bool,
     /// Created while `create_error_rate` drew a failure: goes ERROR at boot.
     pub doomed: bool,
     /// Booted with NICs (`networks` not `"none"`): shows security groups.

@@ -1,0 +1,244 @@
+//! The production controller against vq-cloudsim configured as a cloud it
+//! must not run blindly on: a compute API older than vq needs, a cloud
+//! whose listings do not show what the controller booted.
+//!
+//! `cargo test -p vq-tests --test controller_cloud` (no root needed).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use vq_tests::cloudsim::{Sim, SimConfig, SimHandle};
+use vq_tests::harness::{broker_url, build_bin, unique_cluster, ChildGuard, TestBroker};
+
+const POOL: &str = "vis";
+
+/// A controller process and the files it writes.
+struct Running {
+    guard: ChildGuard,
+    cluster: String,
+    log: PathBuf,
+    status_url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Running {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The pool's entry of `/status`, `None` while the controller does not
+    /// answer yet.
+    async fn pool_status(&self) -> Option<serde_json::Value> {
+        let v = get_json(&self.status_url).await.ok()?;
+        Some(v["pools"][POOL].clone())
+    }
+
+    /// Waits up to `timeout` for the pool's status to satisfy `pred`.
+    async fn wait_status(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> Result<serde_json::Value> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = None;
+        while tokio::time::Instant::now() < deadline {
+            if let Some(p) = self.pool_status().await {
+                if pred(&p) {
+                    return Ok(p);
+                }
+                last = Some(p);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::bail!(
+            "timed out waiting for {what}; last status {last:?}; log:\n{}",
+            self.log()
+        )
+    }
+
+    /// Waits until the controller has observed the pool `n` more times.
+    async fn wait_cycles(&self, n: usize) -> Result<()> {
+        let mut seen = Vec::new();
+        while seen.len() <= n {
+            let p = self
+                .wait_status("the next cycle", Duration::from_secs(30), |p| {
+                    !seen.contains(&p["observed_at"].to_string())
+                })
+                .await?;
+            seen.push(p["observed_at"].to_string());
+        }
+        Ok(())
+    }
+}
+
+async fn sim_servers(sim: &SimHandle) -> Result<Vec<serde_json::Value>> {
+    let v = get_json(&format!("{}/_sim/servers", sim.base_url())).await?;
+    Ok(v["servers"].as_array().cloned().unwrap_or_default())
+}
+
+async fn sim_faults(sim: &SimHandle, faults: serde_json::Value) -> Result<()> {
+    http()
+        .post(format!("{}/_sim/faults", sim.base_url()))
+        .json(&faults)
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(())
+}
+
+/// reqwest (rustls without a built-in provider) needs one installed.
+fn http() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+async fn get_json(url: &str) -> Result<serde_json::Value> {
+    Ok(http()
+        .get(url)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?)
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Starts a test cloud tuned by `tune` (its agents are never started in
+/// these tests: the pool's image does not matter).
+async fn start_sim(dir: &Path, tune: impl FnOnce(&mut SimConfig)) -> Result<SimHandle> {
+    let agent_cfg = dir.join("jobagent.toml");
+    std::fs::write(&agent_cfg, "")?;
+    // The "VMs" run /bin/true: these tests are about servers, not agents.
+    let mut config = SimConfig::new(dir.join("sim"), "/bin/true", &agent_cfg);
+    tune(&mut config);
+    Ok(Sim::start(config).await?)
+}
+
+/// Starts `vq-controller` against `sim` with one pool of `min = max = 1`.
+fn start_controller(sim: &SimHandle, dir: tempfile::TempDir, extra: &str) -> Result<Running> {
+    let controller_bin = build_bin("vq-controller", "vq-controller")?;
+    let cluster = unique_cluster();
+    let url = broker_url();
+    let port = free_port()?;
+    let cfg = dir.path().join("controller.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:{port}\"\ninterval_secs = 0.3\nheartbeat_timeout_secs = 2.0\n\
+             [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n{extra}\n\
+             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 1\nmax = 1\n"
+        ),
+    )?;
+    let log = dir.path().join("controller.log");
+    let mut cmd = Command::new(&controller_bin);
+    cmd.arg("--config")
+        .arg(&cfg)
+        .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
+        .env("OS_CLOUD", "cloudsim")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?);
+    Ok(Running {
+        guard: ChildGuard::spawn(cmd)?,
+        cluster,
+        log,
+        status_url: format!("http://127.0.0.1:{port}/status"),
+        _dir: dir,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_refuses_to_start_when_the_compute_api_is_older_than_vq_needs() -> Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |c| c.compute_max_minor = 40).await?;
+    let mut ctl = start_controller(&sim, dir, "")?;
+    let status = tokio::task::block_in_place(|| ctl.guard.wait_timeout(Duration::from_secs(30)));
+    let log = ctl.log();
+    let status = status.with_context(|| {
+        format!("the controller still runs against a cloud whose maximum is 2.40:\n{log}")
+    })?;
+    ensure!(!status.success(), "exit status {status}:\n{log}");
+    ensure!(
+        log.contains("2.40") && log.contains("2.52"),
+        "the error names neither the cloud's maximum nor vq's version:\n{log}"
+    );
+    let servers = sim_servers(&sim).await?;
+    ensure!(servers.is_empty(), "servers were created: {servers:?}");
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_servers_the_listings_do_not_show_stops_booting_and_says_why() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |_| {}).await?;
+    sim_faults(&sim, serde_json::json!({"hide_new_servers": true})).await?;
+    let ctl = start_controller(&sim, dir, "")?;
+    let stopped = ctl
+        .wait_status("the pool's obstacle", Duration::from_secs(60), |p| {
+            p["obstacle"].is_string()
+        })
+        .await;
+    let servers = sim_servers(&sim).await?;
+    let stopped = stopped.with_context(|| format!("{} servers created", servers.len()))?;
+    let obstacle = stopped["obstacle"].as_str().unwrap_or_default().to_string();
+    ensure!(
+        servers.len() == 1,
+        "{} servers created: {servers:?}",
+        servers.len()
+    );
+    let name = servers[0]["name"].as_str().context("server name")?;
+    ensure!(
+        obstacle.contains(name) && obstacle.contains("listing"),
+        "the obstacle does not name the server and the listings: {obstacle}"
+    );
+    // More cycles: still one server, still stopped.
+    ctl.wait_cycles(3).await?;
+    let servers = sim_servers(&sim).await?;
+    ensure!(
+        servers.len() == 1,
+        "boots went on: {servers:?}\n{}",
+        ctl.log()
+    );
+    let p = ctl.pool_status().await.context("status")?;
+    ensure!(p["obstacle"].is_string(), "obstacle gone: {p}");
+    ensure!(ctl.log().contains(name), "the log does not name {name}");
+    let cli = build_bin("vq-controller", "vq")?;
+    let out = Command::new(&cli)
+        .args([
+            "pools",
+            "--controller",
+            &ctl.status_url.replace("/status", ""),
+        ])
+        .env("VQ_CLUSTER", &ctl.cluster)
+        .output()?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        shown.contains("boots stopped") && shown.contains(name),
+        "vq pools does not show the obstacle: {shown}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Once a listing shows the server the pool is unblocked.
+    sim_faults(&sim, serde_json::json!({"hide_new_servers": false})).await?;
+    ctl.wait_status("the obstacle to clear", Duration::from_secs(30), |p| {
+        p["obstacle"].is_null() && p["vms"]["booting"] == 1
+    })
+    .await?;
+    ensure!(sim_servers(&sim).await?.len() == 1);
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}

@@ -1,0 +1,242 @@
+//! Every dead letter ends with exactly one `failed` event: the controller
+//! publishes it for the ones RabbitMQ makes itself (quorum delivery limit,
+//! rejection), agents for their own. No agent runs here, no root needed:
+//! `cargo test -p vq-tests --test dead_letters`.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicRejectOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Consumer};
+use vq_common::amqp::{declare_bound_queue, publish_confirmed};
+use vq_common::messages::{Message, REASON_HEADER};
+use vq_common::topology::{ALL_JOB_EVENTS, POOL_DELIVERY_LIMIT};
+use vq_tests::harness::{
+    broker_url, job, start_controller_on_empty_cloud, unique_cluster, TestBroker,
+};
+
+const POOL: &str = "dl";
+
+/// A job event with its AMQP message id.
+struct Event {
+    key: String,
+    message_id: Option<String>,
+    body: serde_json::Value,
+}
+
+async fn job_events(b: &TestBroker) -> Result<Consumer> {
+    let ch = b.conn.create_channel().await?;
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    ch.queue_bind(
+        q.name().clone(),
+        b.topo.events_exchange().as_str().into(),
+        ALL_JOB_EVENTS.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    Ok(ch
+        .basic_consume(
+            q.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?)
+}
+
+/// Receives events into `seen` until one for `job_id` is `failed`.
+async fn wait_failed(consumer: &mut Consumer, seen: &mut Vec<Event>, job_id: &str) -> Result<()> {
+    let is_it = |e: &Event| e.body["job_id"] == job_id && e.body["state"] == "failed";
+    let wait = async {
+        while !seen.iter().any(is_it) {
+            let d = consumer.next().await.context("event consumer ended")??;
+            seen.push(Event {
+                key: d.routing_key.to_string(),
+                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+                body: serde_json::from_slice(&d.data)?,
+            });
+        }
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .with_context(|| {
+            format!(
+                "no failed event for {job_id}; events: {:?}",
+                seen.iter().map(|e| &e.body).collect::<Vec<_>>()
+            )
+        })?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<()> {
+    let cluster = unique_cluster();
+    let b = TestBroker::connect(&cluster, &[POOL]).await?;
+    let watch = b.topo.dead_watch_queue();
+    // Declared here too (as the controller declares it), so that the dead
+    // letters below reach it whenever the controller starts consuming.
+    declare_bound_queue(
+        &b.ch,
+        &watch,
+        &b.topo.dead_watch_queue_args(),
+        &b.topo.dead_exchange(),
+        "",
+    )
+    .await?;
+    let mut events = job_events(&b).await?;
+    let mut seen = Vec::new();
+    let ctl = start_controller_on_empty_cloud(&broker_url(), &cluster, POOL, "info").await?;
+    // The controller is connected once it has declared its own queues.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while b.queue_len(&b.topo.fence_queue()).await.is_err() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the controller never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // An agent's dead letter (vq's reason header): its agent reports it.
+    let by_agent = job(POOL, "alice", "byagent", "true");
+    let mut headers = FieldTable::default();
+    headers.insert(
+        REASON_HEADER.into(),
+        AMQPValue::LongString(LongString::from("owner refused")),
+    );
+    publish_confirmed(
+        &b.ch,
+        &b.topo.dead_exchange(),
+        POOL,
+        &by_agent.encode(),
+        BasicProperties::default()
+            .with_headers(headers)
+            .with_message_id(by_agent.id.clone().into()),
+        false,
+        Duration::from_secs(10),
+    )
+    .await?;
+
+    // Redelivered past the quorum delivery limit: RabbitMQ dead-letters it.
+    let limited = job(POOL, "alice", "limited", "true");
+    b.publish_job(&limited, Some("guest")).await?;
+    let pool_queue = b.topo.pool_queue(POOL);
+    let mut deliveries = 0;
+    while let Some(m) =
+        b.ch.basic_get(
+            pool_queue.as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
+        deliveries += 1;
+        m.delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await?;
+        ensure!(deliveries <= 100, "the delivery limit never applied");
+    }
+    ensure!(deliveries as i64 > POOL_DELIVERY_LIMIT, "{deliveries}");
+    wait_failed(&mut events, &mut seen, &limited.id).await?;
+
+    // Rejected without requeue, with a body that is no job.
+    let garbage_id = format!("{}-garbage", rand::random::<u32>());
+    b.publish_raw_job(POOL, b"not a job", Some("guest"), &garbage_id)
+        .await?;
+    let m =
+        b.ch.basic_get(
+            pool_queue.as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+        .context("the garbage job is not in its queue")?;
+    m.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await?;
+    // The watch queue is consumed in order: once this event is out, every
+    // event of the letters before it is too.
+    wait_failed(&mut events, &mut seen, &garbage_id).await?;
+
+    let of = |id: &str| -> Vec<&Event> { seen.iter().filter(|e| e.body["job_id"] == id).collect() };
+    let limited_events = of(&limited.id);
+    ensure!(limited_events.len() == 1, "{} events", limited_events.len());
+    let e = limited_events[0];
+    let reason = e.body["reason"].as_str().unwrap_or_default();
+    ensure!(
+        reason.contains("dead-lettered by RabbitMQ: delivery_limit")
+            && reason.contains(&format!("more than {POOL_DELIVERY_LIMIT} times"))
+            && reason.contains(&pool_queue),
+        "reason: {reason}"
+    );
+    ensure!(e.key == format!("job.{POOL}.failed"), "key {}", e.key);
+    ensure!(
+        e.message_id.as_deref() == Some(format!("{}.failed", limited.id).as_str()),
+        "message id {:?}",
+        e.message_id
+    );
+    ensure!(e.body["owner"] == "alice" && e.body["submitter"] == "guest");
+    ensure!(
+        of(&by_agent.id).is_empty(),
+        "an agent-made dead letter got a controller event"
+    );
+    let garbage = of(&garbage_id);
+    ensure!(garbage.len() == 1, "{} events", garbage.len());
+    let reason = garbage[0].body["reason"].as_str().unwrap_or_default();
+    ensure!(
+        reason.contains("rejected") && garbage[0].body["pool"] == POOL,
+        "{:?}",
+        garbage[0].body
+    );
+
+    // The letters stay in <c>.jobs.dead for operators; the watch copies
+    // were acked.
+    let dead = b.take_dead().await?;
+    let ids: Vec<_> = dead.iter().filter_map(|d| d.message_id.clone()).collect();
+    for id in [&by_agent.id, &limited.id, &garbage_id] {
+        ensure!(
+            ids.contains(id),
+            "{id} not in the dead-letter queue: {ids:?}"
+        );
+    }
+    let limited_dead = dead
+        .iter()
+        .find(|d| d.message_id.as_deref() == Some(&limited.id))
+        .context("limited")?;
+    ensure!(limited_dead.headers.contains_key("x-death"));
+    ensure!(b.queue_len(&watch).await? == 0, "watch copies left");
+
+    drop(ctl.guard);
+    ctl.sim.shutdown().await;
+    let _ =
+        b.ch.queue_delete(watch.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    for q in [b.topo.fence_queue(), b.topo.agents_queue()] {
+        let _ =
+            b.ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+    }
+    b.cleanup().await;
+    Ok(())
+}
