@@ -994,17 +994,18 @@ pub fn broker_dead_letter_event(
             (id, String::new(), String::new(), pool)
         }
     };
-    Some(JobEvent {
-        schema: SCHEMA_VERSION,
-        job_id,
-        job_name,
-        owner,
-        pool,
-        agent: String::new(),
-        submitter,
-        at,
-        state: JobState::Failed { reason },
-    })
+    let mut event = JobEvent::about(
+        None,
+        &job_id,
+        &pool,
+        "",
+        submitter.as_deref(),
+        JobState::Failed { reason },
+    );
+    event.job_name = job_name;
+    event.owner = owner;
+    event.at = at;
+    Some(event)
 }
 
 /// Consumes `<c>.dead.watch`: publishes the `failed` event of every dead
@@ -1036,10 +1037,14 @@ async fn watch_dead_letters(
                 break;
             }
         };
-        match broker_dead_letter_event(&topo, &d.properties, &d.data, unix_now()) {
+        match broker_dead_letter_event(
+            &topo,
+            &d.properties,
+            &d.data,
+            vq_common::messages::unix_now(),
+        ) {
             Some(event) => {
-                let props = amqp::json_properties::<JobEvent>()
-                    .with_message_id(format!("{}.failed", event.job_id).into());
+                let props = amqp::event_properties(&event);
                 let sent = amqp::publish_confirmed_patiently(
                     &publish,
                     &topo.events_exchange(),
