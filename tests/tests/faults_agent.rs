@@ -610,3 +610,117 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
     broker.cleanup().await;
     Ok(())
 }
+
+/// A script that records its process group (see [`pid_script`]) and runs
+/// until `release` exists.
+fn held_script(user: &TestUser, name: &str) -> (String, std::path::PathBuf, std::path::PathBuf) {
+    let (start, pidfile) = pid_script(user, name, 0);
+    let release = user.home.join(format!("{name}.release"));
+    let _ = std::fs::remove_file(&release);
+    let script = start.replace(
+        "sleep 0\n",
+        &format!("while [ ! -e {} ]; do sleep 0.1; done\n", release.display()),
+    );
+    (script, pidfile, release)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_second_message_with_the_id_of_a_running_job_on_another_agent_is_reported_not_run(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "dup";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let url = broker_url();
+    let (da, db) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let a = format!("{cluster}-a");
+    let b = format!("{cluster}-b");
+    let _agent_a = start_agent_in(&url, &cluster, pool, &a, TRUST_GUEST, da.path())?;
+    wait_agent_up(&mut tap, &a).await?;
+    let (script, pidfile, release) = held_script(&alice, "dupfirst");
+    let first = job(pool, &alice.name, "dupfirst", &script);
+    broker.publish_job(&first, Some("guest")).await?;
+    tap.job_event(&first.id, "started", WAIT).await?;
+    job_running(&pidfile).await?;
+    // Agent A is full (one slot): the second message goes to agent B, which
+    // knows nothing of the first in memory; only the claim marker tells.
+    let _agent_b = start_agent_in(&url, &cluster, pool, &b, TRUST_GUEST, db.path())?;
+    wait_agent_up(&mut tap, &b).await?;
+    let mut second = job(pool, &alice.name, "dupsecond", "echo second");
+    second.id = first.id.clone();
+    broker.publish_job(&second, Some("guest")).await?;
+    let failed = tap.job_event(&first.id, "failed", WAIT).await?;
+    ensure!(
+        failed["duplicate"].is_string(),
+        "not marked duplicate: {failed}"
+    );
+    ensure!(
+        failed["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("duplicate job id")),
+        "{failed}"
+    );
+    std::fs::write(&release, b"go")?;
+    let fin = tap.job_event(&first.id, "finished", WAIT).await?;
+    ensure!(fin["agent"] == a.as_str(), "the first ran on A: {fin}");
+    ensure!(count(&tap, &first.id, "started") == 1, "started twice");
+    let dead = broker.take_dead().await?;
+    ensure!(dead.len() == 1, "dead letters: {dead:#?}");
+    ensure!(
+        dead[0].headers["x-vq-reason"].contains("duplicate job id"),
+        "{:?}",
+        dead[0].headers
+    );
+    for ext in ["o", "e"] {
+        let _ = std::fs::remove_file(alice.home.join(format!("dupfirst.{ext}{}", first.seq())));
+    }
+    let _ = std::fs::remove_file(&release);
+    broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn an_agent_restarting_under_a_job_applies_the_configured_loss_limit() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "limit1";
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-l1");
+    let dir = tempfile::tempdir()?;
+    let url = broker_url();
+    let cfg = format!("loss_limit = 1\n{TRUST_GUEST}");
+    let mut agent = start_agent_in(&url, &cluster, pool, &agent_id, &cfg, dir.path())?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+    let (script, pidfile) = pid_script(&alice, "limit1", 30);
+    let j = job(pool, &alice.name, "limit1", &script);
+    broker.publish_job(&j, Some("guest")).await?;
+    tap.job_event(&j.id, "started", WAIT).await?;
+    let pgid = job_running(&pidfile).await?;
+    agent.signal(Signal::SIGKILL);
+    agent.wait_timeout(Duration::from_secs(5));
+    kill_job(pgid);
+    drop(agent);
+    let _agent = start_agent_in(&url, &cluster, pool, &agent_id, &cfg, dir.path())?;
+    let failed = tap.job_event(&j.id, "failed", WAIT).await?;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    ensure!(reason.contains("limit 1"), "reason: {reason}");
+    ensure!(
+        count(&tap, &j.id, "started") == 1,
+        "run again past the limit"
+    );
+    let dead = broker.take_dead().await?;
+    ensure!(dead.len() == 1, "dead letters: {dead:#?}");
+    let _ = std::fs::remove_file(&pidfile);
+    broker.cleanup().await;
+    Ok(())
+}
