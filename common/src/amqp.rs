@@ -439,34 +439,9 @@ pub async fn declare_bound_queue(
     .await
 }
 
-/// Declares a durable, unbound queue with `args` (lease and fence queues;
-/// reached through the default exchange). A queue that exists with other
-/// arguments fails with PRECONDITION_FAILED naming the argument and both
-/// values.
-///
-/// # Errors
-/// [`AmqpError::Declare`] naming the queue.
-pub async fn declare_queue(ch: &Channel, queue: &str, args: &QueueArgs) -> Result<(), AmqpError> {
-    bounded(&format!("declare queue {queue}"), DECLARE_TIMEOUT, async {
-        ch.queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            field_table(args),
-        )
-        .await
-        .map_err(|source| AmqpError::Declare {
-            name: queue.into(),
-            source,
-        })?;
-        Ok(())
-    })
-    .await
-}
-
-/// Declares `agent`'s lease queue `<c>.lease.<agent>`.
+/// Declares `agent`'s lease queue `<c>.lease.<agent>` and binds it to
+/// [`Topology::lease_exchange`] with its own name as the routing key (the
+/// key lease copies are published with).
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -475,11 +450,37 @@ pub async fn declare_lease_queue(
     topo: &Topology,
     agent: &str,
 ) -> Result<(), AmqpError> {
-    declare_queue(ch, &topo.lease_queue(agent), &topo.lease_queue_args()).await
+    let queue = topo.lease_queue(agent);
+    declare_bound_queue(
+        ch,
+        &queue,
+        &topo.lease_queue_args(),
+        &topo.lease_exchange(),
+        &queue,
+    )
+    .await
 }
 
-/// Declares the exchanges every component publishes to: jobs, dead, events,
-/// demand, control.
+/// Declares the agent registry `<c>.agents` and binds it to
+/// [`Topology::agents_exchange`] with its own name as the routing key.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_agents_queue(ch: &Channel, topo: &Topology) -> Result<(), AmqpError> {
+    let queue = topo.agents_queue();
+    declare_bound_queue(
+        ch,
+        &queue,
+        &topo.agents_queue_args(),
+        &topo.agents_exchange(),
+        &queue,
+    )
+    .await
+}
+
+/// Declares the exchanges that agents and the controller publish to or
+/// bind to: jobs, dead, events, demand, control, lease, agents (not the
+/// controller's own fence exchange, see [`declare_topology`]).
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -489,12 +490,15 @@ pub async fn declare_exchanges(ch: &Channel, topo: &Topology) -> Result<(), Amqp
     declare_exchange(ch, &topo.events_exchange(), ExchangeKind::Topic).await?;
     declare_exchange(ch, &topo.demand_exchange(), ExchangeKind::Fanout).await?;
     declare_exchange(ch, &topo.control_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.lease_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.agents_exchange(), ExchangeKind::Direct).await?;
     Ok(())
 }
 
-/// Declares the whole shared topology: exchanges, the dead-letter queue, the
-/// job-event stream, the demand queue and the pool queues of `pools`.
-/// Idempotent.
+/// Declares the whole topology (the controller's part): exchanges, the
+/// dead-letter queue, the job-event stream, the demand queue, the fence
+/// queue and its exchange, the agent registry and the pool queues of
+/// `pools`. Idempotent.
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -528,6 +532,17 @@ pub async fn declare_topology<'a>(
         "",
     )
     .await?;
+    declare_exchange(ch, &topo.fence_exchange(), ExchangeKind::Direct).await?;
+    let fence = topo.fence_queue();
+    declare_bound_queue(
+        ch,
+        &fence,
+        &topo.fence_queue_args(),
+        &topo.fence_exchange(),
+        &fence,
+    )
+    .await?;
+    declare_agents_queue(ch, topo).await?;
     for pool in pools {
         declare_pool_queue(ch, topo, pool).await?;
     }

@@ -140,18 +140,6 @@ impl Broker {
         let conn = amqp::connect(&self.cfg, "vq-controller").await?;
         let channel = amqp::confirm_channel(&conn).await?;
         amqp::declare_topology(&channel, &self.topo, self.pools.iter().map(String::as_str)).await?;
-        amqp::declare_queue(
-            &channel,
-            &self.topo.fence_queue(),
-            &self.topo.fence_queue_args(),
-        )
-        .await?;
-        amqp::declare_queue(
-            &channel,
-            &self.topo.agents_queue(),
-            &self.topo.agents_queue_args(),
-        )
-        .await?;
         let events = self.start_events(&conn).await?;
         let demand = self.start_demand(&conn).await?;
         let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
@@ -276,8 +264,8 @@ impl Broker {
         self.shared_lock().blocked.clone()
     }
 
-    /// Publishes an empty, unroutable message (default exchange, routing
-    /// key `<cluster>.probe`, which names no queue) and waits for its
+    /// Publishes an empty, unroutable message (control exchange, routing
+    /// key [`Topology::probe_key`], which is no agent id) and waits for its
     /// confirm. Called every cycle so that a broker memory or disk alarm
     /// blocks this connection, and the controller learns of it, before
     /// the agents' silenced heartbeats could be taken for dead agents.
@@ -289,8 +277,8 @@ impl Broker {
         let channel = self.channel().await?;
         amqp::publish_confirmed(
             &channel,
-            "",
-            &format!("{}.probe", self.topo.cluster()),
+            &self.topo.control_exchange(),
+            &self.topo.probe_key(),
             b"",
             BasicProperties::default(),
             false,
@@ -383,7 +371,7 @@ impl Broker {
         let channel = self.channel().await?;
         amqp::publish_confirmed(
             &channel,
-            "",
+            &self.topo.fence_exchange(),
             &self.topo.fence_queue(),
             agent.as_bytes(),
             BasicProperties::default()

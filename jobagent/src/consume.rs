@@ -285,7 +285,13 @@ async fn claim_and_run(
     let props = lease_properties(&delivery.properties, key, submitter);
     if let Err(e) = ctx
         .publisher
-        .publish_once_mandatory("", ctx.leases.queue(), &delivery.data, props, true)
+        .publish_once_mandatory(
+            &ctx.topo.lease_exchange(),
+            ctx.leases.queue(),
+            &delivery.data,
+            props,
+            true,
+        )
         .await
     {
         if matches!(e, AmqpError::Unroutable { .. }) {
@@ -631,7 +637,13 @@ async fn recover_one(ctx: &Arc<Ctx>, d: &Delivery, key: &str) -> Result<(), Amqp
     // incremented in a fresh lease copy.
     let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
     ctx.publisher
-        .publish_once_mandatory("", ctx.leases.queue(), &d.data, props.clone(), true)
+        .publish_once_mandatory(
+            &ctx.topo.lease_exchange(),
+            ctx.leases.queue(),
+            &d.data,
+            props.clone(),
+            true,
+        )
         .await?;
     ack_lease(d).await?;
     let Some(cancel) = ctx.shared.claim_recovered(key) else {
