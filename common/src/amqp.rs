@@ -85,6 +85,18 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
+    /// Publishing (`basic.publish`, or waiting for its confirm) failed.
+    #[error("cannot publish to exchange {exchange:?} with routing key {routing_key:?}")]
+    Publish {
+        /// Exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+        /// Cause (403 ACCESS_REFUSED: the account lacks write permission on
+        /// the exchange).
+        #[source]
+        source: lapin::Error,
+    },
     /// The broker refused (nacked) a published message.
     #[error("broker refused message for exchange {exchange:?} routing key {routing_key:?}")]
     Nacked {
@@ -112,9 +124,12 @@ impl AmqpError {
             AmqpError::Connect { .. } | AmqpError::Timeout { .. } | AmqpError::Nacked { .. } => {
                 true
             }
-            AmqpError::Op { source, .. } => !is_access_refused(source),
+            AmqpError::Op { source, .. } | AmqpError::Publish { source, .. } => {
+                refused_text(source).is_none()
+            }
             AmqpError::Declare { source, .. } => {
-                !is_access_refused(source) && !is_precondition_failed(source)
+                refused_text(source).is_none()
+                    && lapin_reply_code(source) != Some(PRECONDITION_FAILED)
             }
             AmqpError::CaFile { .. }
             | AmqpError::ClientCert { .. }
@@ -123,8 +138,40 @@ impl AmqpError {
     }
 }
 
+impl AmqpError {
+    /// What the broker refused when it refused this operation because the
+    /// account lacks a permission, or refused the login (reply code 403
+    /// ACCESS_REFUSED): the broker's reply text, which names the resource
+    /// and the user (`ACCESS_REFUSED - access to exchange 'vq.control' in
+    /// vhost '/' refused for user 'ctl'`), preceded by the permission when
+    /// the operation tells it (a publish needs `write` on the exchange):
+    /// `write permission on exchange 'vq.control' (publish) refused:
+    /// ACCESS_REFUSED - …`. `None` for every other error.
+    pub fn access_refused(&self) -> Option<String> {
+        match self {
+            AmqpError::Publish {
+                exchange, source, ..
+            } => refused_text(source).map(|reply| {
+                format!("write permission on exchange '{exchange}' (publish) refused: {reply}")
+            }),
+            AmqpError::Connect { source, .. }
+            | AmqpError::Declare { source, .. }
+            | AmqpError::Op { source, .. } => refused_text(source),
+            _ => None,
+        }
+    }
+}
+
 /// AMQP reply code NOT_FOUND (a missing queue or exchange).
 pub const NOT_FOUND: u16 = 404;
+
+/// AMQP reply code ACCESS_REFUSED (a permission the account lacks, or a
+/// refused login).
+pub const ACCESS_REFUSED: u16 = 403;
+
+/// AMQP reply code PRECONDITION_FAILED (e.g. a queue declared again with
+/// other arguments).
+pub const PRECONDITION_FAILED: u16 = 406;
 
 /// The AMQP reply code of a lapin error (e.g. 404 NOT_FOUND, 403
 /// ACCESS_REFUSED), if the broker sent one.
@@ -135,16 +182,14 @@ pub fn lapin_reply_code(err: &lapin::Error) -> Option<u16> {
     }
 }
 
-fn reply_text(e: &lapin::Error) -> String {
-    e.to_string()
-}
-
-fn is_access_refused(e: &lapin::Error) -> bool {
-    reply_text(e).contains("ACCESS_REFUSED")
-}
-
-fn is_precondition_failed(e: &lapin::Error) -> bool {
-    reply_text(e).contains("PRECONDITION_FAILED")
+/// The broker's reply text of a 403 ACCESS_REFUSED error.
+fn refused_text(e: &lapin::Error) -> Option<String> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) if p.get_id() == ACCESS_REFUSED => {
+            Some(p.get_message().to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Runs `fut` with a timeout, mapping expiry to [`AmqpError::Timeout`].
@@ -591,8 +636,8 @@ pub fn json_properties<M: Message>() -> BasicProperties {
 /// is an error.
 ///
 /// # Errors
-/// [`AmqpError::Nacked`], [`AmqpError::Unroutable`], [`AmqpError::Op`] or
-/// [`AmqpError::Timeout`] after `timeout`.
+/// [`AmqpError::Nacked`], [`AmqpError::Unroutable`], [`AmqpError::Publish`]
+/// or [`AmqpError::Timeout`] after `timeout`.
 pub async fn publish_confirmed(
     ch: &Channel,
     exchange: &str,
@@ -603,6 +648,11 @@ pub async fn publish_confirmed(
     timeout: Duration,
 ) -> Result<(), AmqpError> {
     let what = format!("publish to {exchange:?} key {routing_key:?}");
+    let publish_err = |source| AmqpError::Publish {
+        exchange: exchange.into(),
+        routing_key: routing_key.into(),
+        source,
+    };
     let confirmation = bounded(&what, timeout, async {
         let pending = ch
             .basic_publish(
@@ -616,14 +666,8 @@ pub async fn publish_confirmed(
                 props,
             )
             .await
-            .map_err(|source| AmqpError::Op {
-                what: what.clone(),
-                source,
-            })?;
-        pending.await.map_err(|source| AmqpError::Op {
-            what: what.clone(),
-            source,
-        })
+            .map_err(publish_err)?;
+        pending.await.map_err(publish_err)
     })
     .await?;
     match confirmation {

@@ -62,16 +62,15 @@ impl Clusters<'_> {
 }
 
 /// The RabbitMQ definitions document (users and permissions on vhost `/`)
-/// of `accounts` on `clusters`.
-pub fn definitions(accounts: &[Account], clusters: Clusters<'_>) -> serde_json::Value {
+/// of `accounts`, each with its permissions.
+pub fn definitions(accounts: &[(Account, Permissions)]) -> serde_json::Value {
     let users: Vec<_> = accounts
         .iter()
-        .map(|a| serde_json::json!({"name": a.user, "password": a.password, "tags": ""}))
+        .map(|(a, _)| serde_json::json!({"name": a.user, "password": a.password, "tags": ""}))
         .collect();
     let permissions: Vec<_> = accounts
         .iter()
-        .map(|a| {
-            let p = clusters.permissions(a.role);
+        .map(|(a, p)| {
             serde_json::json!({
                 "user": a.user, "vhost": "/",
                 "configure": p.configure, "write": p.write, "read": p.read,
@@ -92,9 +91,25 @@ pub fn create(
     clusters: Clusters<'_>,
     import: impl FnOnce(&Path) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
+    let with: Vec<_> = accounts
+        .iter()
+        .map(|a| (a.clone(), clusters.permissions(a.role)))
+        .collect();
+    create_with(&with, import)
+}
+
+/// [`create`] with explicit permissions per account (e.g. a role's minus
+/// one, to test a refusal).
+///
+/// # Errors
+/// If the file cannot be written or `import` fails.
+pub fn create_with(
+    accounts: &[(Account, Permissions)],
+    import: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("definitions.json");
-    std::fs::write(&path, serde_json::to_vec(&definitions(accounts, clusters))?)?;
+    std::fs::write(&path, serde_json::to_vec(&definitions(accounts))?)?;
     import(&path)
 }
 
