@@ -17,7 +17,8 @@ use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use crate::config::{redact_url, BrokerConfig};
+pub use crate::amqp_url::{broker_user, parse_url, redact_url, DEFAULT_USER};
+use crate::config::BrokerConfig;
 use crate::messages::{Message, SCHEMA_HEADER, SCHEMA_VERSION};
 use crate::topology::{ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS};
 

@@ -12,6 +12,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod amqp_url;
 pub mod config;
 pub mod error;
 pub mod messages;

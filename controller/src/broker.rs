@@ -80,6 +80,7 @@ pub struct EventSnapshot {
 /// The controller's broker client.
 pub struct Broker {
     cfg: BrokerConfig,
+    user: String,
     topo: Topology,
     pools: Vec<String>,
     session: Mutex<Option<Session>>,
@@ -106,12 +107,20 @@ impl Broker {
     /// A client for `cfg` managing `pools` of `topo`'s cluster. Does no I/O.
     pub fn new(cfg: BrokerConfig, topo: Topology, pools: Vec<String>) -> Self {
         Broker {
+            user: amqp::broker_user(&cfg.url),
             cfg,
             topo,
             pools,
             session: Mutex::new(None),
             shared: Arc::new(StdMutex::new(Shared::default())),
         }
+    }
+
+    /// The broker user this client logs in as and stamps as `user_id` on
+    /// control messages and requeued jobs
+    /// ([`vq_common::amqp::broker_user`]: `guest` when the URL names none).
+    pub fn user(&self) -> &str {
+        &self.user
     }
 
     /// Connects (if not connected): declares the topology, starts the event
@@ -336,9 +345,7 @@ impl Broker {
         // The agent authorises control messages by the broker-validated
         // user_id (its `control_admins`), so it must be set.
         let mut props = amqp::json_properties::<Control>();
-        if let Some(user) = broker_user(&self.cfg.url) {
-            props = props.with_user_id(user.as_str().into());
-        }
+        props = props.with_user_id(self.user().into());
         amqp::publish_confirmed(
             &channel,
             &self.topo.control_exchange(),
@@ -477,7 +484,7 @@ impl Broker {
         // Declaring (not passively) never fails on a missing queue.
         amqp::declare_lease_queue(ch, &self.topo, agent).await?;
         let confirm = Duration::from_secs(self.cfg.confirm_timeout_secs);
-        let submitter = broker_user(&self.cfg.url);
+        let submitter = self.user();
         let mut report = FenceReport::default();
         // Read every lease first (held unacked), then look up which of them
         // already have a final result: an agent that died between
@@ -547,9 +554,7 @@ impl Broker {
             match lease_fate(decoded.as_ref().ok(), agent, losses, loss_limit) {
                 LeaseFate::Requeue { pool } => {
                     let mut props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-                    if let Some(u) = &submitter {
-                        props = props.with_user_id(u.as_str().into());
-                    }
+                    props = props.with_user_id(submitter.into());
                     amqp::publish_confirmed_patiently(
                         ch,
                         &self.topo.jobs_exchange(),
@@ -807,31 +812,6 @@ fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
         .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
 }
 
-/// The user name in an AMQP URL, percent-decoded (`None` if it has none).
-pub fn broker_user(url: &str) -> Option<String> {
-    let rest = url.split_once("://")?.1;
-    let (auth, _) = rest.rsplit_once('@')?;
-    let user = auth.split(':').next()?;
-    let bytes = user.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            if let Some(b) = user
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8(out).ok().filter(|u| !u.is_empty())
-}
-
 fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
     let mut h = orig.headers().clone().unwrap_or_default();
     h.insert(
@@ -1013,16 +993,21 @@ mod tests {
     }
 
     #[test]
-    fn the_broker_user_is_taken_from_the_url() {
-        assert_eq!(
-            broker_user("amqp://vq%2Dctl:pw@h:5672/%2f").as_deref(),
-            Some("vq-ctl")
-        );
-        assert_eq!(
-            broker_user("amqp://guest:guest@127.0.0.1/%2f").as_deref(),
-            Some("guest")
-        );
-        assert_eq!(broker_user("amqp://h/%2f"), None);
+    fn the_broker_user_is_taken_from_the_url_and_is_guest_without_one() {
+        let broker = |url: &str| {
+            Broker::new(
+                BrokerConfig {
+                    url: url.into(),
+                    ..Default::default()
+                },
+                Topology::new("vq"),
+                vec![],
+            )
+        };
+        assert_eq!(broker("amqp://vq%2Dctl:pw@h:5672/%2f").user(), "vq-ctl");
+        // RabbitMQ's (and lapin's) default login: control messages must
+        // carry it as user_id, or every agent ignores them.
+        assert_eq!(broker("amqp://host/%2f").user(), "guest");
     }
 
     #[tokio::test(start_paused = true)]
