@@ -119,3 +119,63 @@ async fn a_controller_lacking_write_on_the_control_exchange_is_unhealthy_and_nam
     broker.cleanup().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_inspector_takes_dead_letters_and_reads_nothing_else() -> anyhow::Result<()> {
+    use lapin::options::BasicGetOptions;
+    use vq_common::amqp::{connect, publish_confirmed};
+    use vq_common::config::BrokerConfig;
+    if !require_root() {
+        return Ok(());
+    }
+    let cluster = unique_cluster();
+    let pool = "insp";
+    let ctl = accounts::account(Role::Controller, "vqt-insp-controller");
+    let inspector = accounts::account(Role::Inspector, "vqt-insp-inspector");
+    accounts::create(
+        &[ctl.clone(), inspector.clone()],
+        Clusters::Named(&cluster),
+        accounts::import_shared,
+    )?;
+    let broker = TestBroker::connect_url(&ctl.url(&broker_url()), &cluster, &[pool]).await?;
+    publish_confirmed(
+        &broker.ch,
+        &broker.topo.dead_exchange(),
+        pool,
+        b"dead",
+        lapin::BasicProperties::default(),
+        false,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let cfg = BrokerConfig {
+        url: inspector.url(&broker_url()),
+        ..Default::default()
+    };
+    let conn = connect(&cfg, "vq-tests inspector").await?;
+    let ch = conn.create_channel().await?;
+    let got = ch
+        .basic_get(
+            broker.topo.dead_queue().as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await?;
+    ensure!(
+        got.is_some_and(|m| m.delivery.data == b"dead"),
+        "the inspector must take the dead letter"
+    );
+    let pool_queue = broker.topo.pool_queue(pool);
+    let refused = ch
+        .basic_get(pool_queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await;
+    ensure!(
+        refused.as_ref().is_err_and(
+            |e| vq_common::amqp::lapin_reply_code(e) == Some(vq_common::amqp::ACCESS_REFUSED)
+        ),
+        "the inspector must not read {pool_queue}: {refused:?}"
+    );
+    let _ = conn.close(200, "done".into()).await;
+    broker.cleanup().await;
+    Ok(())
+}
