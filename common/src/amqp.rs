@@ -94,9 +94,9 @@ pub enum AmqpError {
         /// Routing key.
         routing_key: String,
         /// Cause (403 ACCESS_REFUSED: the account lacks write permission on
-        /// the exchange).
+        /// the exchange); boxed, lapin errors are large.
         #[source]
-        source: lapin::Error,
+        source: Box<lapin::Error>,
     },
     /// The broker refused (nacked) a published message.
     #[error("broker refused message for exchange {exchange:?} routing key {routing_key:?}")]
@@ -125,9 +125,8 @@ impl AmqpError {
             AmqpError::Connect { .. } | AmqpError::Timeout { .. } | AmqpError::Nacked { .. } => {
                 true
             }
-            AmqpError::Op { source, .. } | AmqpError::Publish { source, .. } => {
-                refused_text(source).is_none()
-            }
+            AmqpError::Op { source, .. } => refused_text(source).is_none(),
+            AmqpError::Publish { source, .. } => refused_text(source).is_none(),
             AmqpError::Declare { source, .. } => {
                 refused_text(source).is_none()
                     && lapin_reply_code(source) != Some(PRECONDITION_FAILED)
@@ -652,7 +651,7 @@ pub async fn publish_confirmed(
     let publish_err = |source| AmqpError::Publish {
         exchange: exchange.into(),
         routing_key: routing_key.into(),
-        source,
+        source: Box::new(source),
     };
     let confirmation = bounded(&what, timeout, async {
         let pending = ch
