@@ -2,8 +2,9 @@
 # vq demo on the embedded test cloud (vq-cloudsim), as README.md describes.
 #
 # Installs/starts RabbitMQ if absent, builds vq, creates the demo user
-# `vqdemo` (Unix and broker account), starts vq-cloudsim and vq-controller,
-# submits examples/*.pbs as vqdemo, shows the pool scaling up, the jobs
+# `vqdemo` (Unix and submitter broker account) and the controller's and
+# agents' broker accounts (README.md permissions, never guest), starts
+# vq-cloudsim and vq-controller, submits examples/*.pbs as vqdemo, shows the pool scaling up, the jobs
 # running and their output files, the pool scaling back to zero, and checks
 # each of those facts before it prints its last line.
 set -euo pipefail
@@ -32,21 +33,32 @@ TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-$ROOT/target}")
 BIN=$TARGET_DIR/release
 AGENT=$TARGET_DIR/x86_64-unknown-linux-musl/release-agent/jobagent
 
-say "demo user $DEMO_USER (Unix account and broker account)"
+say "demo user $DEMO_USER (Unix account and submitter broker account); controller and agent broker accounts"
 if ! id "$DEMO_USER" >/dev/null 2>&1; then
   useradd --create-home --shell /bin/bash "$DEMO_USER"
 fi
 DEMO_UID=$(id -u "$DEMO_USER")
-if ! rabbitmqctl -q list_users | awk '{print $1}' | grep -qx "$DEMO_USER"; then
-  rabbitmqctl -q add_user "$DEMO_USER" "$DEMO_PASS" >/dev/null
-fi
-rabbitmqctl -q change_password "$DEMO_USER" "$DEMO_PASS" >/dev/null
-# A submitter may publish jobs and demand, read the job-event stream and bind
-# private reply queues; nothing else (see README, "Broker accounts").
-rabbitmqctl -q set_permissions -p / "$DEMO_USER" \
-  '^amq\.gen-.*' \
-  "^(${CLUSTER}\\.jobs|${CLUSTER}\\.demand|amq\\.gen-.*)\$" \
-  "^(${CLUSTER}\\.events|${CLUSTER}\\.events\\.log|amq\\.gen-.*)\$" >/dev/null
+# One broker account per role, with exactly the permissions README.md
+# documents ("Broker accounts and trust"), printed by the code that defines
+# them; never guest.
+broker_account() { # ROLE USER PASSWORD
+  local role=$1 user=$2 pass=$3 perms
+  if ! rabbitmqctl -q list_users | awk '{print $1}' | grep -qx "$user"; then
+    rabbitmqctl -q add_user "$user" "$pass" >/dev/null
+  fi
+  rabbitmqctl -q change_password "$user" "$pass" >/dev/null
+  mapfile -t perms < <("$BIN/vq-controller" --print-permissions "$role" "$CLUSTER")
+  [ "${#perms[@]}" = 3 ] || fail "no permissions for role $role"
+  rabbitmqctl -q set_permissions -p / "$user" "${perms[0]}" "${perms[1]}" "${perms[2]}" >/dev/null
+  echo "broker account $user ($role): configure ${perms[0]}  write ${perms[1]}  read ${perms[2]}"
+}
+CTL_USER=vqdemo-controller
+CTL_PASS=vqdemo-controller-secret
+AGENT_USER=vqdemo-agent
+AGENT_PASS=vqdemo-agent-secret
+broker_account submitter "$DEMO_USER" "$DEMO_PASS"
+broker_account controller "$CTL_USER" "$CTL_PASS"
+broker_account agent "$AGENT_USER" "$AGENT_PASS"
 
 rm -rf "$WORK"
 mkdir -p "$WORK/sim"
@@ -61,12 +73,12 @@ heartbeat_secs = 1.0
 default_walltime_secs = 600
 kill_grace_secs = 5
 # broker users whose drain/ask-delete this agent obeys: the controller's
-# account (guest in the demo)
-control_admins = ["guest"]
+# account
+control_admins = ["$CTL_USER"]
 [submitters]
 same_name = true
-# the controller's account (guest in the demo) returns jobs of lost VMs
-requeuers = ["guest"]
+# the controller's account returns jobs of lost VMs
+requeuers = ["$CTL_USER"]
 EOF
 cat > "$WORK/controller.toml" <<EOF
 cluster = "$CLUSTER"
@@ -74,13 +86,13 @@ listen = "127.0.0.1:$PORT"
 interval_secs = 1.0
 heartbeat_timeout_secs = 15.0
 [broker]
-url = "amqp://guest:guest@$BROKER_HOST/%2f"
+url = "amqp://$CTL_USER:$CTL_PASS@$BROKER_HOST/%2f"
 [openstack]
 cloud = "cloudsim"
 [pools.$POOL]
 flavor = "m1.small"
 image = "vq-worker"
-agent_broker_url = "amqp://guest:guest@$BROKER_HOST/%2f"
+agent_broker_url = "amqp://$CTL_USER:$CTL_PASS@$BROKER_HOST/%2f"
 min = 0
 max = 3
 slots = 2

@@ -17,7 +17,8 @@ use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use crate::config::{redact_url, BrokerConfig};
+pub use crate::amqp_url::{broker_user, parse_url, redact_url, DEFAULT_USER};
+use crate::config::BrokerConfig;
 use crate::messages::{Message, SCHEMA_HEADER, SCHEMA_VERSION};
 use crate::topology::{ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS};
 
@@ -85,6 +86,18 @@ pub enum AmqpError {
         #[source]
         source: lapin::Error,
     },
+    /// Publishing (`basic.publish`, or waiting for its confirm) failed.
+    #[error("cannot publish to exchange {exchange:?} with routing key {routing_key:?}")]
+    Publish {
+        /// Exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+        /// Cause (403 ACCESS_REFUSED: the account lacks write permission on
+        /// the exchange); boxed, lapin errors are large.
+        #[source]
+        source: Box<lapin::Error>,
+    },
     /// The broker refused (nacked) a published message.
     #[error("broker refused message for exchange {exchange:?} routing key {routing_key:?}")]
     Nacked {
@@ -112,9 +125,11 @@ impl AmqpError {
             AmqpError::Connect { .. } | AmqpError::Timeout { .. } | AmqpError::Nacked { .. } => {
                 true
             }
-            AmqpError::Op { source, .. } => !is_access_refused(source),
+            AmqpError::Op { source, .. } => refused_text(source).is_none(),
+            AmqpError::Publish { source, .. } => refused_text(source).is_none(),
             AmqpError::Declare { source, .. } => {
-                !is_access_refused(source) && !is_precondition_failed(source)
+                refused_text(source).is_none()
+                    && lapin_reply_code(source) != Some(PRECONDITION_FAILED)
             }
             AmqpError::CaFile { .. }
             | AmqpError::ClientCert { .. }
@@ -123,8 +138,40 @@ impl AmqpError {
     }
 }
 
+impl AmqpError {
+    /// What the broker refused when it refused this operation because the
+    /// account lacks a permission, or refused the login (reply code 403
+    /// ACCESS_REFUSED): the broker's reply text, which names the resource
+    /// and the user (`ACCESS_REFUSED - access to exchange 'vq.control' in
+    /// vhost '/' refused for user 'ctl'`), preceded by the permission when
+    /// the operation tells it (a publish needs `write` on the exchange):
+    /// `write permission on exchange 'vq.control' (publish) refused:
+    /// ACCESS_REFUSED - …`. `None` for every other error.
+    pub fn access_refused(&self) -> Option<String> {
+        match self {
+            AmqpError::Publish {
+                exchange, source, ..
+            } => refused_text(source).map(|reply| {
+                format!("write permission on exchange '{exchange}' (publish) refused: {reply}")
+            }),
+            AmqpError::Connect { source, .. }
+            | AmqpError::Declare { source, .. }
+            | AmqpError::Op { source, .. } => refused_text(source),
+            _ => None,
+        }
+    }
+}
+
 /// AMQP reply code NOT_FOUND (a missing queue or exchange).
 pub const NOT_FOUND: u16 = 404;
+
+/// AMQP reply code ACCESS_REFUSED (a permission the account lacks, or a
+/// refused login).
+pub const ACCESS_REFUSED: u16 = 403;
+
+/// AMQP reply code PRECONDITION_FAILED (e.g. a queue declared again with
+/// other arguments).
+pub const PRECONDITION_FAILED: u16 = 406;
 
 /// The AMQP reply code of a lapin error (e.g. 404 NOT_FOUND, 403
 /// ACCESS_REFUSED), if the broker sent one.
@@ -135,16 +182,14 @@ pub fn lapin_reply_code(err: &lapin::Error) -> Option<u16> {
     }
 }
 
-fn reply_text(e: &lapin::Error) -> String {
-    e.to_string()
-}
-
-fn is_access_refused(e: &lapin::Error) -> bool {
-    reply_text(e).contains("ACCESS_REFUSED")
-}
-
-fn is_precondition_failed(e: &lapin::Error) -> bool {
-    reply_text(e).contains("PRECONDITION_FAILED")
+/// The broker's reply text of a 403 ACCESS_REFUSED error.
+fn refused_text(e: &lapin::Error) -> Option<String> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) if p.get_id() == ACCESS_REFUSED => {
+            Some(p.get_message().to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Runs `fut` with a timeout, mapping expiry to [`AmqpError::Timeout`].
@@ -439,34 +484,9 @@ pub async fn declare_bound_queue(
     .await
 }
 
-/// Declares a durable, unbound queue with `args` (lease and fence queues;
-/// reached through the default exchange). A queue that exists with other
-/// arguments fails with PRECONDITION_FAILED naming the argument and both
-/// values.
-///
-/// # Errors
-/// [`AmqpError::Declare`] naming the queue.
-pub async fn declare_queue(ch: &Channel, queue: &str, args: &QueueArgs) -> Result<(), AmqpError> {
-    bounded(&format!("declare queue {queue}"), DECLARE_TIMEOUT, async {
-        ch.queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            field_table(args),
-        )
-        .await
-        .map_err(|source| AmqpError::Declare {
-            name: queue.into(),
-            source,
-        })?;
-        Ok(())
-    })
-    .await
-}
-
-/// Declares `agent`'s lease queue `<c>.lease.<agent>`.
+/// Declares `agent`'s lease queue `<c>.lease.<agent>` and binds it to
+/// [`Topology::lease_exchange`] with its own name as the routing key (the
+/// key lease copies are published with).
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -475,11 +495,37 @@ pub async fn declare_lease_queue(
     topo: &Topology,
     agent: &str,
 ) -> Result<(), AmqpError> {
-    declare_queue(ch, &topo.lease_queue(agent), &topo.lease_queue_args()).await
+    let queue = topo.lease_queue(agent);
+    declare_bound_queue(
+        ch,
+        &queue,
+        &topo.lease_queue_args(),
+        &topo.lease_exchange(),
+        &queue,
+    )
+    .await
 }
 
-/// Declares the exchanges every component publishes to: jobs, dead, events,
-/// demand, control.
+/// Declares the agent registry `<c>.agents` and binds it to
+/// [`Topology::agents_exchange`] with its own name as the routing key.
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_agents_queue(ch: &Channel, topo: &Topology) -> Result<(), AmqpError> {
+    let queue = topo.agents_queue();
+    declare_bound_queue(
+        ch,
+        &queue,
+        &topo.agents_queue_args(),
+        &topo.agents_exchange(),
+        &queue,
+    )
+    .await
+}
+
+/// Declares the exchanges that agents and the controller publish to or
+/// bind to: jobs, dead, events, demand, control, lease, agents (not the
+/// controller's own fence exchange, see [`declare_topology`]).
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -489,12 +535,15 @@ pub async fn declare_exchanges(ch: &Channel, topo: &Topology) -> Result<(), Amqp
     declare_exchange(ch, &topo.events_exchange(), ExchangeKind::Topic).await?;
     declare_exchange(ch, &topo.demand_exchange(), ExchangeKind::Fanout).await?;
     declare_exchange(ch, &topo.control_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.lease_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.agents_exchange(), ExchangeKind::Direct).await?;
     Ok(())
 }
 
-/// Declares the whole shared topology: exchanges, the dead-letter queue, the
-/// job-event stream, the demand queue and the pool queues of `pools`.
-/// Idempotent.
+/// Declares the whole topology (the controller's part): exchanges, the
+/// dead-letter queue, the job-event stream, the demand queue, the fence
+/// queue and its exchange, the agent registry and the pool queues of
+/// `pools`. Idempotent.
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -528,6 +577,17 @@ pub async fn declare_topology<'a>(
         "",
     )
     .await?;
+    declare_exchange(ch, &topo.fence_exchange(), ExchangeKind::Direct).await?;
+    let fence = topo.fence_queue();
+    declare_bound_queue(
+        ch,
+        &fence,
+        &topo.fence_queue_args(),
+        &topo.fence_exchange(),
+        &fence,
+    )
+    .await?;
+    declare_agents_queue(ch, topo).await?;
     for pool in pools {
         declare_pool_queue(ch, topo, pool).await?;
     }
@@ -582,8 +642,8 @@ pub fn json_properties<M: Message>() -> BasicProperties {
 /// is an error.
 ///
 /// # Errors
-/// [`AmqpError::Nacked`], [`AmqpError::Unroutable`], [`AmqpError::Op`] or
-/// [`AmqpError::Timeout`] after `timeout`.
+/// [`AmqpError::Nacked`], [`AmqpError::Unroutable`], [`AmqpError::Publish`]
+/// or [`AmqpError::Timeout`] after `timeout`.
 pub async fn publish_confirmed(
     ch: &Channel,
     exchange: &str,
@@ -594,6 +654,11 @@ pub async fn publish_confirmed(
     timeout: Duration,
 ) -> Result<(), AmqpError> {
     let what = format!("publish to {exchange:?} key {routing_key:?}");
+    let publish_err = |source| AmqpError::Publish {
+        exchange: exchange.into(),
+        routing_key: routing_key.into(),
+        source: Box::new(source),
+    };
     let confirmation = bounded(&what, timeout, async {
         let pending = ch
             .basic_publish(
@@ -607,14 +672,8 @@ pub async fn publish_confirmed(
                 props,
             )
             .await
-            .map_err(|source| AmqpError::Op {
-                what: what.clone(),
-                source,
-            })?;
-        pending.await.map_err(|source| AmqpError::Op {
-            what: what.clone(),
-            source,
-        })
+            .map_err(publish_err)?;
+        pending.await.map_err(publish_err)
     })
     .await?;
     match confirmation {

@@ -230,20 +230,7 @@ fn loose_mode(_path: &Path) -> Option<u32> {
     None
 }
 
-/// Returns `url` with its password replaced by `***`, for logs and errors.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (auth, host) = match rest.rsplit_once('@') {
-        Some(parts) => parts,
-        None => return url.to_string(),
-    };
-    match auth.split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
-        None => url.to_string(),
-    }
-}
+pub use crate::amqp_url::redact_url;
 
 /// Which submitters may run jobs as which owners (checked by the agent
 /// against the broker-validated AMQP `user_id`).

@@ -13,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod amqp_url;
 pub mod config;
 pub mod error;
 pub mod lease;

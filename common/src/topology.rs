@@ -17,8 +17,15 @@
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
 //! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
 //! | `<c>.control.<agent>` | exclusive queue | the agent's control inbox |
+//! | `<c>.lease` | direct exchange, routing key = lease queue name | lease copies |
 //! | `<c>.lease.<agent>` | durable quorum queue | copies of the jobs the agent runs (leases) |
-//! | `<c>.fence` | durable quorum queue | agents the controller is fencing (deleting, then emptying their leases) |
+//! | `<c>.fence` | direct exchange → quorum queue `<c>.fence` (routing key = queue name) | agents the controller is fencing (deleting, then emptying their leases) |
+//! | `<c>.agents` | direct exchange → quorum queue `<c>.agents` (routing key = queue name) | the agent registry |
+//!
+//! Nothing is published to the default exchange (`amq.default`): a
+//! message meant for one queue goes to a named exchange of the cluster that
+//! the queue is bound to, so every account's rights stay inside its
+//! cluster's names ([`Permissions`]).
 
 use std::fmt;
 
@@ -218,6 +225,13 @@ impl Topology {
         format!("{}.control", self.cluster)
     }
 
+    /// Routing key of the controller's alarm probe, published to
+    /// [`Topology::control_exchange`]: it contains a dot, so it is no agent
+    /// id and the probe reaches no queue.
+    pub fn probe_key(&self) -> String {
+        format!("{}.probe", self.cluster)
+    }
+
     /// The exclusive control queue of `agent`.
     pub fn control_queue(&self, agent: &str) -> String {
         format!("{}.control.{agent}", self.cluster)
@@ -227,6 +241,12 @@ impl Topology {
     /// not yet released (DESIGN.md, "Leases").
     pub fn lease_queue(&self, agent: &str) -> String {
         format!("{}.lease.{agent}", self.cluster)
+    }
+
+    /// Direct exchange for lease copies: every lease queue is bound to it
+    /// with its own name as the routing key.
+    pub fn lease_exchange(&self) -> String {
+        format!("{}.lease", self.cluster)
     }
 
     /// Arguments of every lease queue: a durable quorum queue without a
@@ -241,6 +261,12 @@ impl Topology {
     /// has emptied and deleted the agent's lease queue, so a controller
     /// restart in between loses no lease.
     pub fn fence_queue(&self) -> String {
+        format!("{}.fence", self.cluster)
+    }
+
+    /// Direct exchange of the fence queue (bound with the queue's name as
+    /// the routing key). Only the controller writes to it.
+    pub fn fence_exchange(&self) -> String {
         format!("{}.fence", self.cluster)
     }
 
@@ -288,6 +314,12 @@ impl Topology {
         format!("{}.agents", self.cluster)
     }
 
+    /// Direct exchange of the agent registry (bound with the queue's name
+    /// as the routing key).
+    pub fn agents_exchange(&self) -> String {
+        format!("{}.agents", self.cluster)
+    }
+
     /// Arguments of the agent registry (a quorum queue without a delivery
     /// limit: the controller scans it by reading and returning entries).
     pub fn agents_queue_args(&self) -> QueueArgs {
@@ -323,6 +355,139 @@ pub fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// The kind of broker account a component of a cluster logs in with
+/// (README.md, "Broker accounts and trust").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    /// `vq submit` / `vq cancel` / `vq stat` users and bridges.
+    Submitter,
+    /// The controller (declares the whole topology, fences agents).
+    Controller,
+    /// A jobagent.
+    Agent,
+    /// An operator account that reads (takes) dead letters.
+    Inspector,
+}
+
+impl Role {
+    /// Every role, in documentation order.
+    pub const ALL: [Role; 4] = [
+        Role::Submitter,
+        Role::Controller,
+        Role::Agent,
+        Role::Inspector,
+    ];
+
+    /// Lower-case name: `submitter`, `controller`, `agent`, `inspector`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Submitter => "submitter",
+            Role::Controller => "controller",
+            Role::Agent => "agent",
+            Role::Inspector => "inspector",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+
+    /// Parses [`Role::name`]; the error lists the valid names.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| {
+                format!("unknown role {s:?} (one of: submitter, controller, agent, inspector)")
+            })
+    }
+}
+
+/// The RabbitMQ permissions of one [`Role`] on one virtual host: three
+/// regular expressions (Erlang `re`, matched against exchange and queue
+/// names; RabbitMQ does not tell exchanges from queues here) for the
+/// configure, write and read operations
+/// (<https://www.rabbitmq.com/docs/access-control>). This is the one copy
+/// of the rule: README.md, `scripts/demo.sh` (through `vq-controller
+/// --print-permissions`) and the tests' accounts all come from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permissions {
+    /// Declare and delete (`exchange.declare`, `queue.declare`,
+    /// `queue.delete`).
+    pub configure: String,
+    /// Publish to an exchange; bind a queue (write on the queue).
+    pub write: String,
+    /// Consume from and `basic.get` a queue; bind to an exchange (read on
+    /// the exchange).
+    pub read: String,
+}
+
+impl Permissions {
+    /// The minimal permissions of `role` in cluster `cluster` (a valid
+    /// name, see [`valid_name`]; regex characters are escaped).
+    pub fn for_role(role: Role, cluster: &str) -> Self {
+        Self::template(role, &regex_escape(cluster))
+    }
+
+    /// [`Permissions::for_role`] for every cluster whose name matches the
+    /// regular expression `cluster_re` (e.g. `t[0-9a-f]{10}` for the tests'
+    /// clusters): the same rule, with `<c>` replaced by `(?:cluster_re)`.
+    pub fn for_role_matching(role: Role, cluster_re: &str) -> Self {
+        Self::template(role, &format!("(?:{cluster_re})"))
+    }
+
+    fn template(role: Role, c: &str) -> Self {
+        let (configure, write, read) = match role {
+            Role::Submitter => (
+                r"^amq\.gen-.*".to_string(),
+                format!(r"^({c}\.jobs|{c}\.demand|{c}\.control|amq\.gen-.*)$"),
+                format!(r"^({c}\.events|{c}\.events\.log|amq\.gen-.*)$"),
+            ),
+            Role::Controller => {
+                let all = format!(r"^({c}\..*|amq\.gen-.*)$");
+                (all.clone(), all.clone(), all)
+            }
+            Role::Agent => (
+                format!(
+                    r"^{c}\.(jobs|dead|events|demand|control|lease|agents|(jobs|lease|control)\.[^.]+|claim\..+)$"
+                ),
+                format!(r"^{c}\.(events|dead|lease|agents|(jobs|lease|control)\.[^.]+)$"),
+                format!(
+                    r"^{c}\.(jobs|dead|lease|control|agents|(jobs|lease|control)\.[^.]+|claim\..+)$"
+                ),
+            ),
+            Role::Inspector => (
+                "^$".to_string(),
+                "^$".to_string(),
+                format!(r"^{c}\.jobs\.dead$"),
+            ),
+        };
+        Permissions {
+            configure,
+            write,
+            read,
+        }
+    }
+}
+
+/// `s` with every regular-expression metacharacter backslash-escaped.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        if r"\.^$|?*+()[]{}".contains(ch) {
+            out.push('\\');
+        }
+        out.push(ch);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,6 +501,30 @@ mod tests {
         assert_eq!(t.lease_queue("farm1-cms-1"), "farm1.lease.farm1-cms-1");
         assert_eq!(t.fence_queue(), "farm1.fence");
         assert_eq!(t.dead_watch_queue(), "farm1.dead.watch");
+        assert_eq!(t.lease_exchange(), "farm1.lease");
+        assert!(!valid_name(&t.probe_key()));
+    }
+
+    #[test]
+    fn permissions_name_only_the_clusters_resources() {
+        let p = Permissions::for_role(Role::Agent, "farm1");
+        assert_eq!(
+            p.write,
+            r"^farm1\.(events|dead|lease|agents|(jobs|lease|control)\.[^.]+)$"
+        );
+        let any = Permissions::for_role_matching(Role::Inspector, "t[0-9a-f]{10}");
+        assert_eq!(any.read, r"^(?:t[0-9a-f]{10})\.jobs\.dead$");
+        for role in Role::ALL {
+            assert_eq!(role.name().parse::<Role>(), Ok(role));
+            let p = Permissions::for_role(role, "farm1");
+            for re in [&p.configure, &p.write, &p.read] {
+                assert!(
+                    re.starts_with('^') && re.ends_with(['$', '*']),
+                    "{role}: {re}"
+                );
+            }
+        }
+        assert!("root".parse::<Role>().is_err());
     }
 
     #[test]

@@ -88,6 +88,7 @@ pub struct EventSnapshot {
 /// The controller's broker client.
 pub struct Broker {
     cfg: BrokerConfig,
+    user: String,
     topo: Topology,
     pools: Vec<String>,
     session: Mutex<Option<Session>>,
@@ -114,12 +115,20 @@ impl Broker {
     /// A client for `cfg` managing `pools` of `topo`'s cluster. Does no I/O.
     pub fn new(cfg: BrokerConfig, topo: Topology, pools: Vec<String>) -> Self {
         Broker {
+            user: amqp::broker_user(&cfg.url),
             cfg,
             topo,
             pools,
             session: Mutex::new(None),
             shared: Arc::new(StdMutex::new(Shared::default())),
         }
+    }
+
+    /// The broker user this client logs in as and stamps as `user_id` on
+    /// control messages and requeued jobs
+    /// ([`vq_common::amqp::broker_user`]: `guest` when the URL names none).
+    pub fn user(&self) -> &str {
+        &self.user
     }
 
     /// Connects (if not connected): declares the topology, starts the event
@@ -153,18 +162,6 @@ impl Broker {
         let conn = amqp::connect(&self.cfg, "vq-controller").await?;
         let channel = amqp::confirm_channel(&conn).await?;
         amqp::declare_topology(&channel, &self.topo, self.pools.iter().map(String::as_str)).await?;
-        amqp::declare_queue(
-            &channel,
-            &self.topo.fence_queue(),
-            &self.topo.fence_queue_args(),
-        )
-        .await?;
-        amqp::declare_queue(
-            &channel,
-            &self.topo.agents_queue(),
-            &self.topo.agents_queue_args(),
-        )
-        .await?;
         amqp::declare_bound_queue(
             &channel,
             &self.topo.dead_watch_queue(),
@@ -328,8 +325,8 @@ impl Broker {
         self.shared_lock().blocked.clone()
     }
 
-    /// Publishes an empty, unroutable message (default exchange, routing
-    /// key `<cluster>.probe`, which names no queue) and waits for its
+    /// Publishes an empty, unroutable message (control exchange, routing
+    /// key [`Topology::probe_key`], which is no agent id) and waits for its
     /// confirm. Called every cycle so that a broker memory or disk alarm
     /// blocks this connection, and the controller learns of it, before
     /// the agents' silenced heartbeats could be taken for dead agents.
@@ -341,8 +338,8 @@ impl Broker {
         let channel = self.channel().await?;
         amqp::publish_confirmed(
             &channel,
-            "",
-            &format!("{}.probe", self.topo.cluster()),
+            &self.topo.control_exchange(),
+            &self.topo.probe_key(),
             b"",
             BasicProperties::default(),
             false,
@@ -400,9 +397,7 @@ impl Broker {
         // The agent authorises control messages by the broker-validated
         // user_id (its `control_admins`), so it must be set.
         let mut props = amqp::json_properties::<Control>();
-        if let Some(user) = broker_user(&self.cfg.url) {
-            props = props.with_user_id(user.as_str().into());
-        }
+        props = props.with_user_id(self.user().into());
         amqp::publish_confirmed(
             &channel,
             &self.topo.control_exchange(),
@@ -435,7 +430,7 @@ impl Broker {
         let channel = self.channel().await?;
         amqp::publish_confirmed(
             &channel,
-            "",
+            &self.topo.fence_exchange(),
             &self.topo.fence_queue(),
             agent.as_bytes(),
             BasicProperties::default()
@@ -541,7 +536,7 @@ impl Broker {
         // Declaring (not passively) never fails on a missing queue.
         amqp::declare_lease_queue(ch, &self.topo, agent).await?;
         let confirm = Duration::from_secs(self.cfg.confirm_timeout_secs);
-        let submitter = broker_user(&self.cfg.url);
+        let submitter = self.user();
         let mut report = FenceReport::default();
         // Read every lease first (held unacked), then look up which of them
         // already have a final result: an agent that died between
@@ -638,9 +633,7 @@ impl Broker {
                     // that a stray copy of it never runs.
                     self.delete_claim_marker(ch, &job_id).await?;
                     let mut props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-                    if let Some(u) = &submitter {
-                        props = props.with_user_id(u.as_str().into());
-                    }
+                    props = props.with_user_id(submitter.into());
                     amqp::publish_confirmed_patiently(
                         ch,
                         &self.topo.jobs_exchange(),
@@ -876,31 +869,6 @@ fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
         .map(|m| m.to_string())
         .filter(|m| !m.is_empty())
         .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
-}
-
-/// The user name in an AMQP URL, percent-decoded (`None` if it has none).
-pub fn broker_user(url: &str) -> Option<String> {
-    let rest = url.split_once("://")?.1;
-    let (auth, _) = rest.rsplit_once('@')?;
-    let user = auth.split(':').next()?;
-    let bytes = user.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            if let Some(b) = user
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8(out).ok().filter(|u| !u.is_empty())
 }
 
 fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
@@ -1277,16 +1245,21 @@ mod tests {
     }
 
     #[test]
-    fn the_broker_user_is_taken_from_the_url() {
-        assert_eq!(
-            broker_user("amqp://vq%2Dctl:pw@h:5672/%2f").as_deref(),
-            Some("vq-ctl")
-        );
-        assert_eq!(
-            broker_user("amqp://guest:guest@127.0.0.1/%2f").as_deref(),
-            Some("guest")
-        );
-        assert_eq!(broker_user("amqp://h/%2f"), None);
+    fn the_broker_user_is_taken_from_the_url_and_is_guest_without_one() {
+        let broker = |url: &str| {
+            Broker::new(
+                BrokerConfig {
+                    url: url.into(),
+                    ..Default::default()
+                },
+                Topology::new("vq"),
+                vec![],
+            )
+        };
+        assert_eq!(broker("amqp://vq%2Dctl:pw@h:5672/%2f").user(), "vq-ctl");
+        // RabbitMQ's (and lapin's) default login: control messages must
+        // carry it as user_id, or every agent ignores them.
+        assert_eq!(broker("amqp://host/%2f").user(), "guest");
     }
 
     #[tokio::test(start_paused = true)]

@@ -172,6 +172,9 @@ pub enum ObserveError {
     /// No broker connection.
     #[error("no broker connection")]
     Broker(#[source] AmqpError),
+    /// The alarm probe (a publish to the control exchange) failed.
+    #[error("cannot publish the broker alarm probe")]
+    Probe(#[source] AmqpError),
 }
 
 impl ObserveError {
@@ -179,9 +182,9 @@ impl ObserveError {
     pub fn is_transient(&self) -> bool {
         match self {
             ObserveError::Servers(e) => e.is_transient(),
-            ObserveError::QueueDepth { source, .. } | ObserveError::Broker(source) => {
-                source.is_transient()
-            }
+            ObserveError::QueueDepth { source, .. }
+            | ObserveError::Broker(source)
+            | ObserveError::Probe(source) => source.is_transient(),
         }
     }
 

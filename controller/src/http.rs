@@ -1,6 +1,9 @@
 //! HTTP endpoint of the controller (axum on `listen`):
 //!
-//! * `GET /healthz`: `200 ok` while the process runs;
+//! * `GET /healthz`: `200 ok` while the process runs, `503` with the
+//!   broker's ACCESS_REFUSED text while the last cycle failed because the
+//!   controller's broker account lacks a permission
+//!   ([`StatusReport::broker_access_refused`]);
 //! * `GET /status`: the [`StatusReport`] as JSON (shape documented in
 //!   [`crate::status`]);
 //! * `GET /metrics`: Prometheus text format: `vq_pool_queued{pool}`,
@@ -146,10 +149,29 @@ pub struct AppState {
 /// The router (`/healthz`, `/status`, `/metrics`).
 pub fn router(state: AppState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+async fn healthz(State(s): State<AppState>) -> Response {
+    let refused = s
+        .status
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .broker_access_refused
+        .clone();
+    match refused {
+        None => (StatusCode::OK, "ok").into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ok: the broker refused a permission of the controller's account: {reason}"
+            ),
+        )
+            .into_response(),
+    }
 }
 
 async fn status(State(s): State<AppState>) -> Json<StatusReport> {
@@ -209,8 +231,9 @@ mod tests {
                 ..Default::default()
             },
         );
+        let state_status = Arc::new(RwLock::new(report.clone()));
         let state = AppState {
-            status: Arc::new(RwLock::new(report.clone())),
+            status: state_status.clone(),
             metrics,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -238,6 +261,11 @@ mod tests {
         let body = status.split("\r\n\r\n").nth(1).unwrap();
         let parsed: StatusReport = serde_json::from_str(body).unwrap();
         assert_eq!(parsed, report);
+        let refused = "ACCESS_REFUSED - write access to exchange 'vq.control' in vhost '/' refused for user 'ctl'";
+        state_status.write().unwrap().broker_access_refused = Some(refused.into());
+        let health = get("/healthz").await;
+        assert!(health.starts_with("HTTP/1.1 503"), "{health}");
+        assert!(health.contains(refused), "{health}");
         let m = get("/metrics").await;
         assert!(m.contains("vq_pool_queued{pool=\"cms\"} 7"), "{m}");
         assert!(

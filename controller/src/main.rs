@@ -33,6 +33,35 @@ struct Args {
     /// Packaging: print the completion script for SHELL and exit.
     #[arg(long, hide = true, value_name = "SHELL")]
     completions: Option<clap_complete::Shell>,
+    /// Setup: print the broker permissions of ROLE (submitter, controller,
+    /// agent, inspector) in CLUSTER, one regex per line (configure, write,
+    /// read), and exit. README.md, scripts/demo.sh and the tests use this
+    /// one rule (`vq_common::topology::Permissions`).
+    #[arg(long, hide = true, num_args = 2, value_names = ["ROLE", "CLUSTER"])]
+    print_permissions: Option<Vec<String>>,
+}
+
+/// `--print-permissions ROLE CLUSTER`: the three regexes, one per line.
+fn print_permissions(args: &[String]) -> ExitCode {
+    use vq_common::topology::{valid_name, Permissions, Role};
+    let [role, cluster] = args else {
+        eprintln!("vq-controller: --print-permissions takes ROLE and CLUSTER");
+        return ExitCode::from(EXIT_CONFIG as u8);
+    };
+    let role: Role = match role.parse() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vq-controller: --print-permissions: {e}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    if !valid_name(cluster) {
+        eprintln!("vq-controller: --print-permissions: invalid cluster name {cluster:?} (1-64 of a-z A-Z 0-9 _ -)");
+        return ExitCode::from(EXIT_CONFIG as u8);
+    }
+    let p = Permissions::for_role(role, cluster);
+    println!("{}\n{}\n{}", p.configure, p.write, p.read);
+    ExitCode::SUCCESS
 }
 
 /// `--version`: the package version and the git commit it was built from.
@@ -76,6 +105,9 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(code) = packaging_output(&args) {
         return code;
+    }
+    if let Some(pp) = &args.print_permissions {
+        return print_permissions(pp);
     }
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -136,6 +136,8 @@ pub struct Controller<C, B> {
     registry_first_seen: BTreeMap<String, Instant>,
     /// Servers this controller created that no listing has shown yet.
     created_watch: CreatedWatch,
+    /// The first ACCESS_REFUSED text the broker gave in the running cycle.
+    refused: Option<String>,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -174,6 +176,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             last_boot_failure: BTreeMap::new(),
             registry_first_seen: BTreeMap::new(),
             created_watch: CreatedWatch::default(),
+            refused: None,
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
@@ -213,9 +216,37 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         }
     }
 
+    /// Records `e` if the broker refused it for lack of a permission
+    /// ([`AmqpError::access_refused`]): the cycle then counts as failed
+    /// for lack of permission (`/healthz` 503, `/status`
+    /// `broker_access_refused`).
+    fn note_broker_error(&mut self, e: &AmqpError) {
+        if let Some(text) = e.access_refused() {
+            if self.refused.is_none() {
+                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /healthz reports 503");
+                self.refused = Some(text);
+            }
+        }
+    }
+
     /// Runs one cycle. With `shutdown` cancelled, observes and plans but
-    /// does not act.
+    /// does not act. A cycle that touched the broker sets or clears
+    /// [`StatusReport::broker_access_refused`].
     pub async fn cycle(&mut self, shutdown: &CancellationToken) -> CycleSummary {
+        self.refused = None;
+        let summary = self.cycle_inner(shutdown).await;
+        let ran = !(summary.ok.is_empty() && summary.failed.is_empty() && summary.held.is_empty());
+        if ran {
+            let refused = self.refused.take();
+            self.status
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .broker_access_refused = refused;
+        }
+        summary
+    }
+
+    async fn cycle_inner(&mut self, shutdown: &CancellationToken) -> CycleSummary {
         let now = Instant::now();
         let mut summary = CycleSummary::default();
         let pools: Vec<String> = self.cfg.pools.keys().cloned().collect();
@@ -233,6 +264,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             return summary;
         }
         if let Err(e) = self.broker.ensure_connected().await {
+            self.note_broker_error(&e);
             let e = ObserveError::Broker(e);
             for p in &ready {
                 self.fail_pool(p, now, &e, None);
@@ -251,7 +283,8 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 (_, Some(reason)) => Err(reason),
                 (Ok(()), None) => Ok(()),
                 (Err(e), None) => {
-                    let e = ObserveError::Broker(e);
+                    self.note_broker_error(&e);
+                    let e = ObserveError::Probe(e);
                     for p in &ready {
                         self.fail_pool(p, now, &e, None);
                     }
@@ -280,6 +313,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let registered = match self.broker.registered_agents().await {
             Ok(r) => Some(r),
             Err(e) => {
+                self.note_broker_error(&e);
                 tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle");
                 None
             }
@@ -324,6 +358,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             let depth = match self.broker.queue_depth(&pool).await {
                 Ok(d) => d,
                 Err(source) => {
+                    self.note_broker_error(&source);
                     let e = ObserveError::QueueDepth {
                         queue: Topology::new(self.cfg.cluster.clone()).pool_queue(&pool),
                         source,
@@ -435,6 +470,11 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 })
                 .count();
             self.metrics.cloud_errors.inc_by(cloud_errors as u64);
+            for e in &report.errors {
+                if let crate::error::ActError::Control { source, .. } = e {
+                    self.note_broker_error(source);
+                }
+            }
             match report.errors.first() {
                 Some(e) => {
                     let ra = e.retry_after();
@@ -487,6 +527,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let in_nova: std::collections::BTreeSet<&str> =
             servers.iter().map(|s| s.name.as_str()).collect();
         let timeout = self.cfg.heartbeat_timeout_secs;
+        let mut refusals = Vec::new();
         tracing::debug!(agents = events.agents.len(), listening_secs, "fence step");
         if let Some(reg) = registered {
             self.registry_first_seen
@@ -509,6 +550,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                         "agent without a server stopped heartbeating: fencing it");
                     if let Err(e) = self.broker.mark_fence(agent).await {
                         tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
+                        refusals.push(e);
                     }
                 }
             }
@@ -535,12 +577,17 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     "registered agent without a server, not heard since the controller listens: fencing it");
                 if let Err(e) = self.broker.mark_fence(agent).await {
                     tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
+                    refusals.push(e);
                 }
             }
+        }
+        for e in &refusals {
+            self.note_broker_error(e);
         }
         let pending = match self.broker.pending_fences().await {
             Ok(p) => p,
             Err(e) => {
+                self.note_broker_error(&e);
                 tracing::warn!(error = %e, "cannot read the fence queue; leases are returned next cycle");
                 return Vec::new();
             }
@@ -559,6 +606,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     fenced.push(agent);
                 }
                 Err(e) => {
+                    self.note_broker_error(&e);
                     tracing::warn!(agent = %agent, error = %e, "cannot return the leases of a lost agent; retrying next cycle")
                 }
             }

@@ -8,6 +8,7 @@
 //!   "cluster": "vq",
 //!   "generated_at": 1764412800.5,
 //!   "uptime_secs": 120.0,
+//!   "broker_access_refused": null,
 //!   "pools": {
 //!     "cms": {
 //!       "queued": 12, "running": 4, "target": 4,
@@ -56,6 +57,12 @@ pub struct StatusReport {
     pub uptime_secs: f64,
     /// Per pool, by name.
     pub pools: BTreeMap<String, PoolStatus>,
+    /// The broker's ACCESS_REFUSED text (it names the operation, the
+    /// resource and the user) if the last cycle failed for lack of a
+    /// permission of the controller's account, else `null`; while set,
+    /// `/healthz` answers 503 with it.
+    #[serde(default)]
+    pub broker_access_refused: Option<String>,
 }
 
 /// One pool's state as seen in the last successful observation.

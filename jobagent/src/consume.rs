@@ -355,7 +355,13 @@ async fn claim_and_run(
     );
     if let Err(e) = ctx
         .publisher
-        .publish_once_mandatory("", ctx.leases.queue(), &delivery.data, props, true)
+        .publish_once_mandatory(
+            &ctx.topo.lease_exchange(),
+            ctx.leases.queue(),
+            &delivery.data,
+            props,
+            true,
+        )
         .await
     {
         if matches!(e, AmqpError::Unroutable { .. }) {
@@ -772,7 +778,13 @@ async fn recover_one(
             // lease copy of the same claim (the marker stays ours).
             let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
             ctx.publisher
-                .publish_once_mandatory("", ctx.leases.queue(), &d.data, props.clone(), true)
+                .publish_once_mandatory(
+                    &ctx.topo.lease_exchange(),
+                    ctx.leases.queue(),
+                    &d.data,
+                    props.clone(),
+                    true,
+                )
                 .await?;
             ack_lease(d).await?;
             let owned = Owned {

@@ -383,10 +383,10 @@ async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
         return Ok(());
     }
     let queue = ctx.topo.agents_queue();
-    vq_common::amqp::declare_queue(ch, &queue, &ctx.topo.agents_queue_args()).await?;
+    vq_common::amqp::declare_agents_queue(ch, &ctx.topo).await?;
     ctx.publisher
         .publish_once_mandatory(
-            "",
+            &ctx.topo.agents_exchange(),
             &queue,
             ctx.agent.as_bytes(),
             lapin::BasicProperties::default()

@@ -697,6 +697,21 @@ pub async fn start_controller_on_empty_cloud(
     pool: &str,
     log: &str,
 ) -> anyhow::Result<EmptyCloudController> {
+    start_controller_on_empty_cloud_at(url, cluster, pool, log, "127.0.0.1:0").await
+}
+
+/// [`start_controller_on_empty_cloud`] serving `/healthz` and `/status` on
+/// `listen` (e.g. `127.0.0.1:<free port>`).
+///
+/// # Errors
+/// If a binary cannot be built, the cloud or the process started.
+pub async fn start_controller_on_empty_cloud_at(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    log: &str,
+    listen: &str,
+) -> anyhow::Result<EmptyCloudController> {
     use crate::cloudsim::{Sim, SimConfig};
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
@@ -713,7 +728,7 @@ pub async fn start_controller_on_empty_cloud(
     std::fs::write(
         &controller_cfg,
         format!(
-            "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:0\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
+            "cluster = \"{cluster}\"\nlisten = \"{listen}\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
              [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
         ),

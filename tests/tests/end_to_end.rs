@@ -13,42 +13,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use vq_common::topology::Role;
+use vq_tests::accounts::{self, Clusters};
 use vq_tests::cloudsim::{Sim, SimConfig};
 use vq_tests::harness::{
     broker_url, build_bin, ensure_test_user, require_root, unique_cluster, ChildGuard, TestBroker,
 };
 
 const POOL: &str = "e2e";
-
-/// Creates (or resets) broker account `user` with the submitter's rights on
-/// `cluster`: write jobs and demand, read events, private reply queues.
-fn ensure_broker_submitter(user: &str, password: &str, cluster: &str) -> anyhow::Result<()> {
-    let run = |args: &[&str]| -> anyhow::Result<()> {
-        let out = Command::new("rabbitmqctl")
-            .args(args)
-            .output()
-            .context("run rabbitmqctl")?;
-        ensure!(
-            out.status.success() || String::from_utf8_lossy(&out.stderr).contains("already exists"),
-            "rabbitmqctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    };
-    run(&["-q", "add_user", user, password])?;
-    run(&["-q", "change_password", user, password])?;
-    let c = cluster;
-    run(&[
-        "-q",
-        "set_permissions",
-        "-p",
-        "/",
-        user,
-        r"^amq\.gen-.*",
-        &format!(r"^({c}\.jobs|{c}\.demand|amq\.gen-.*)$"),
-        &format!(r"^({c}\.events|{c}\.events\.log|amq\.gen-.*)$"),
-    ])
-}
 
 fn sim_server_count(sim_url: &str) -> anyhow::Result<usize> {
     let out = Command::new("curl")
@@ -75,9 +47,22 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
     }
     let cluster = unique_cluster();
     let alice = ensure_test_user("vqt-e2e-alice", 2301)?;
-    let broker_user = alice.name.clone();
-    let broker_pass = "e2e-secret";
-    ensure_broker_submitter(&broker_user, broker_pass, &cluster)?;
+    // One broker account per role, with exactly the documented
+    // permissions on this cluster; alice submits as herself.
+    let submitter = accounts::account(Role::Submitter, &alice.name);
+    let controller_account = accounts::account(Role::Controller, "vqt-e2e-controller");
+    let agent_account = accounts::account(Role::Agent, "vqt-e2e-agent");
+    accounts::create(
+        &[
+            submitter.clone(),
+            controller_account.clone(),
+            agent_account.clone(),
+        ],
+        Clusters::Named(&cluster),
+        accounts::import_shared,
+    )?;
+    let controller_url = controller_account.url(&broker_url());
+    let agent_url = agent_account.url(&broker_url());
 
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
@@ -88,11 +73,13 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
     std::fs::write(
         &agent_cfg,
         format!(
-            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\ncontrol_admins = [\"guest\"]\n[submitters]\nsame_name = true\nrequeuers = [\"guest\"]\n"
+            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\ncontrol_admins = [\"{c}\"]\n[submitters]\nsame_name = true\nrequeuers = [\"{c}\"]\n",
+            c = controller_account.user
         ),
     )?;
-    // Declare the topology and tap events before anything is published.
-    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    // Declare the topology (as the controller would) and tap events before
+    // anything is published.
+    let broker = TestBroker::connect_url(&controller_url, &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
 
     let mut sim_cfg = SimConfig::new(tmp.path().join("sim"), &agent_bin, &agent_cfg);
@@ -109,21 +96,20 @@ listen = "127.0.0.1:0"
 interval_secs = 0.5
 heartbeat_timeout_secs = 20.0
 [broker]
-url = "{url}"
+url = "{controller_url}"
 [openstack]
 cloud = "cloudsim"
 [pools.{POOL}]
 flavor = "m1.small"
 image = "vq-worker"
-agent_broker_url = "{url}"
+agent_broker_url = "{agent_url}"
 min = 0
 max = 2
 slots = 2
 boot_timeout_secs = 60
 idle_secs = 2
 cooldown_secs = 1
-"#,
-            url = broker_url()
+"#
         ),
     )?;
     let mut cmd = Command::new(&controller_bin);
@@ -151,7 +137,7 @@ cooldown_secs = 1
         )?;
         names.push(name);
     }
-    let submit_url = format!("amqp://{broker_user}:{broker_pass}@127.0.0.1:5672/%2f");
+    let submit_url = submitter.url(&broker_url());
     let mut ids = BTreeMap::new();
     for name in &names {
         let out = Command::new("runuser")

@@ -103,7 +103,7 @@ impl Settings {
                 "broker_url: {:?} is not an amqp:// or amqps:// URI",
                 redact_url(&broker.url)
             ));
-        } else if let Err(e) = broker.url.parse::<lapin::uri::AMQPUri>() {
+        } else if let Err(e) = vq_common::amqp::parse_url(&broker.url) {
             problems.push(format!(
                 "broker_url: {:?} cannot be parsed: {e}",
                 redact_url(&broker.url)
@@ -134,14 +134,10 @@ impl Settings {
     }
 
     /// The broker user name in the URL (percent-decoded), `guest` when the
-    /// URL has none (lapin's default). Sent as the AMQP `user_id`, which the
-    /// broker checks against the authenticated user.
+    /// URL has none ([`vq_common::amqp::broker_user`]). Sent as the AMQP
+    /// `user_id`, which the broker checks against the authenticated user.
     pub fn broker_user(&self) -> String {
-        self.broker
-            .url
-            .parse::<lapin::uri::AMQPUri>()
-            .map(|u| u.authority.userinfo.username)
-            .unwrap_or_else(|_| "guest".into())
+        vq_common::amqp::broker_user(&self.broker.url)
     }
 }
 
