@@ -193,6 +193,7 @@ pub fn amqp_reply_code(err: &AmqpError) -> Option<u16> {
         AmqpError::Connect { source, .. }
         | AmqpError::Declare { source, .. }
         | AmqpError::Op { source, .. } => source,
+        AmqpError::Publish { source, .. } => source.as_ref(),
         _ => return None,
     };
     lapin_reply_code(source)
