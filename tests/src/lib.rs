@@ -2,6 +2,7 @@
 //! real processes, and `vq-cloudsim`, the embedded OpenStack-compatible test
 //! cloud.
 
+pub mod amqp_proxy;
 pub mod cloudsim;
 pub mod harness;
 pub mod rabbit_node;
