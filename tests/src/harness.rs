@@ -376,6 +376,7 @@ impl TestBroker {
             _ch: ch,
             consumer,
             seen: Vec::new(),
+            message_ids: Vec::new(),
         })
     }
 
@@ -487,6 +488,8 @@ pub struct EventTap {
     consumer: Consumer,
     /// Every event received so far: (routing key, JSON body).
     pub seen: Vec<(String, serde_json::Value)>,
+    /// The AMQP `message_id` of each event in `seen` (same index), if set.
+    pub message_ids: Vec<Option<String>>,
 }
 
 impl EventTap {
@@ -506,20 +509,14 @@ impl EventTap {
         }
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let next = tokio::time::timeout_at(deadline, self.consumer.next()).await;
-            match next {
-                Ok(Some(Ok(d))) => {
-                    let key = d.routing_key.to_string();
-                    let v: serde_json::Value =
-                        serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
-                    self.seen.push((key.clone(), v.clone()));
-                    if pred(&key, &v) {
-                        return Ok(v);
+            match self.recv(deadline, what).await? {
+                Some(i) => {
+                    let (key, v) = &self.seen[i];
+                    if pred(key, v) {
+                        return Ok(v.clone());
                     }
                 }
-                Ok(Some(Err(e))) => return Err(e.into()),
-                Ok(None) => bail!("event consumer ended while waiting for {what}"),
-                Err(_) => {
+                None => {
                     let keys: Vec<String> = self
                         .seen
                         .iter()
@@ -535,6 +532,44 @@ impl EventTap {
                 }
             }
         }
+    }
+
+    /// Receives one event before `deadline` and records it: its index in
+    /// `seen`, or `None` at the deadline.
+    async fn recv(
+        &mut self,
+        deadline: tokio::time::Instant,
+        what: &str,
+    ) -> anyhow::Result<Option<usize>> {
+        match tokio::time::timeout_at(deadline, self.consumer.next()).await {
+            Ok(Some(Ok(d))) => {
+                let key = d.routing_key.to_string();
+                let v: serde_json::Value =
+                    serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
+                self.seen.push((key, v));
+                self.message_ids.push(
+                    d.properties
+                        .message_id()
+                        .as_ref()
+                        .map(|m| m.to_string())
+                        .filter(|m| !m.is_empty()),
+                );
+                Ok(Some(self.seen.len() - 1))
+            }
+            Ok(Some(Err(e))) => Err(e.into()),
+            Ok(None) => bail!("event consumer ended while waiting for {what}"),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Waits up to `timeout` for the next event and records it in `seen`;
+    /// returns whether one arrived.
+    ///
+    /// # Errors
+    /// If the consumer fails or ends.
+    pub async fn next_event(&mut self, timeout: Duration) -> anyhow::Result<bool> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        Ok(self.recv(deadline, "the next event").await?.is_some())
     }
 
     /// Waits for the job event `job.<pool>.<word>` of `job_id`.
@@ -564,6 +599,22 @@ impl EventTap {
     /// Final results (any job event but `started`) of `job_id` seen so far.
     pub fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
         final_results(&self.seen, job_id)
+    }
+
+    /// Final results of `job_id` as a consumer that deduplicates on the
+    /// AMQP `message_id` sees them: events with a `message_id` seen before
+    /// are dropped, events without one all count.
+    pub fn distinct_finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
+        let mut ids = std::collections::HashSet::new();
+        self.seen
+            .iter()
+            .zip(&self.message_ids)
+            .filter(|((k, v), _)| {
+                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
+            })
+            .filter(|(_, id)| id.as_ref().is_none_or(|id| ids.insert(id.clone())))
+            .map(|((_, v), _)| v)
+            .collect()
     }
 }
 

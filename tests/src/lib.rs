@@ -3,6 +3,7 @@
 //! cloud.
 
 pub mod accounts;
+pub mod amqp_proxy;
 pub mod cloudsim;
 pub mod harness;
 pub mod rabbit_node;
