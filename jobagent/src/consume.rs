@@ -60,7 +60,7 @@ use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 use crate::error::{chain, Rejection};
 use crate::plan::{plan_job_async, LaunchPlan};
 use crate::report::{
-    dead_letter_properties, header_str, header_u32, job_event, lease_properties, with_header_str,
+    dead_letter_properties, header_str, header_u32, lease_properties, with_header_str,
     with_header_u32, SUBMITTER_HEADER,
 };
 use crate::state::Owned;
@@ -465,7 +465,7 @@ pub(crate) async fn refuse(
     dead_letter(ctx, body, props, &reason).await;
     let pool = &ctx.cfg.pool;
     let submitter = judged_submitter(ctx, props);
-    let event = job_event(
+    let event = JobEvent::about(
         job,
         key,
         pool,
@@ -541,7 +541,7 @@ async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
     let pool = ctx.cfg.pool.clone();
     let attempt = t.losses.saturating_add(1);
     let event = |state: JobState| {
-        let mut e = job_event(
+        let mut e = JobEvent::about(
             Some(&t.job),
             &t.key,
             &pool,
@@ -749,7 +749,7 @@ async fn recover_one(
             warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
             let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
             dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
-            let mut event = job_event(
+            let mut event = JobEvent::about(
                 decoded.as_ref().ok(),
                 key,
                 &pool,
@@ -888,7 +888,7 @@ async fn handle_copy(
     dead_letter(ctx, &delivery.data, &delivery.properties, &reason).await;
     if !delivery.redelivered {
         let submitter = judged_submitter(ctx, &delivery.properties);
-        let mut event = job_event(
+        let mut event = JobEvent::about(
             Job::decode(&delivery.data).ok().as_ref(),
             key,
             &ctx.cfg.pool,

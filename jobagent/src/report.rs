@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::warn;
 use vq_common::amqp::{json_properties, publish_confirmed_patiently, AmqpError};
-use vq_common::messages::{Job, JobEvent, JobState, Message, DEAD_BY_HEADER, REASON_HEADER};
+use vq_common::messages::{Message, DEAD_BY_HEADER, REASON_HEADER};
 
 pub use vq_common::messages::SUBMITTER_HEADER;
 
@@ -160,19 +160,6 @@ impl Publisher {
         self.publish_reliably(exchange, key, &msg.encode(), json_properties::<M>())
             .await;
     }
-}
-
-/// A job event for `job` (or, for an undecodable body, for `job_id`),
-/// attempt 1; see [`JobEvent::about`].
-pub fn job_event(
-    job: Option<&Job>,
-    job_id: &str,
-    pool: &str,
-    agent: &str,
-    submitter: Option<&str>,
-    state: JobState,
-) -> JobEvent {
-    JobEvent::about(job, job_id, pool, agent, submitter, state)
 }
 
 /// Properties for dead-lettering a delivery: the original properties except
