@@ -245,20 +245,8 @@ impl Broker {
             .create_channel()
             .await
             .map_err(op_err("channel.open (demand)"))?;
-        let consumer = bounded("consume demand", OP_TIMEOUT, async {
-            ch.basic_qos(100, BasicQosOptions::default())
-                .await
-                .map_err(op_err("basic.qos (demand)"))?;
-            ch.basic_consume(
-                self.topo.demand_queue().into(),
-                "vq-controller-demand".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op_err("consume demand"))
-        })
-        .await?;
+        let consumer =
+            consume_acked(&ch, &self.topo.demand_queue(), "vq-controller-demand", 100).await?;
         let shared = self.shared.clone();
         Ok(tokio::spawn(consume_demand(consumer, shared, ch)))
     }
@@ -269,19 +257,12 @@ impl Broker {
             .await
             .map_err(op_err("channel.open (dead letters)"))?;
         let publish = amqp::confirm_channel(conn).await?;
-        let consumer = bounded("consume dead letters", OP_TIMEOUT, async {
-            ch.basic_qos(1, BasicQosOptions::default())
-                .await
-                .map_err(op_err("basic.qos (dead letters)"))?;
-            ch.basic_consume(
-                self.topo.dead_watch_queue().into(),
-                "vq-controller-dead-watch".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op_err("consume dead letters"))
-        })
+        let consumer = consume_acked(
+            &ch,
+            &self.topo.dead_watch_queue(),
+            "vq-controller-dead-watch",
+            1,
+        )
         .await?;
         Ok(tokio::spawn(watch_dead_letters(
             consumer,
@@ -1163,6 +1144,30 @@ async fn consume_demand(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _
         }
     }
     tracing::warn!("demand consumer ended");
+}
+
+/// Consumes the named queue `queue` with manual acks and prefetch
+/// `prefetch`, consumer tag `tag`.
+async fn consume_acked(
+    ch: &Channel,
+    queue: &str,
+    tag: &str,
+    prefetch: u16,
+) -> Result<Consumer, AmqpError> {
+    bounded(&format!("consume {queue}"), OP_TIMEOUT, async {
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(op_err("basic.qos"))?;
+        ch.basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op_err("basic.consume"))
+    })
+    .await
 }
 
 #[cfg(test)]

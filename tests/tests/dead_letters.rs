@@ -6,21 +6,18 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicRejectOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicGetOptions, BasicNackOptions, BasicRejectOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Consumer};
+use lapin::BasicProperties;
 use vq_common::amqp::{declare_bound_queue, publish_confirmed};
 use vq_common::messages::{Message, REASON_HEADER};
-use vq_common::topology::{ALL_JOB_EVENTS, POOL_DELIVERY_LIMIT};
+use vq_common::topology::POOL_DELIVERY_LIMIT;
 use vq_tests::harness::{
-    broker_url, job, start_controller_on_empty_cloud, unique_cluster, TestBroker,
+    broker_url, job, start_controller_on_empty_cloud, unique_cluster, EventTap, TestBroker,
 };
 
 const POOL: &str = "dl";
+const WAIT: Duration = Duration::from_secs(30);
 
 /// A job event with its AMQP message id.
 struct Event {
@@ -29,62 +26,18 @@ struct Event {
     body: serde_json::Value,
 }
 
-async fn job_events(b: &TestBroker) -> Result<Consumer> {
-    let ch = b.conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    ch.queue_bind(
-        q.name().clone(),
-        b.topo.events_exchange().as_str().into(),
-        ALL_JOB_EVENTS.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    Ok(ch
-        .basic_consume(
-            q.name().clone(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?)
-}
-
-/// Receives events into `seen` until one for `job_id` is `failed`.
-async fn wait_failed(consumer: &mut Consumer, seen: &mut Vec<Event>, job_id: &str) -> Result<()> {
-    let is_it = |e: &Event| e.body["job_id"] == job_id && e.body["state"] == "failed";
-    let wait = async {
-        while !seen.iter().any(is_it) {
-            let d = consumer.next().await.context("event consumer ended")??;
-            seen.push(Event {
-                key: d.routing_key.to_string(),
-                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
-                body: serde_json::from_slice(&d.data)?,
-            });
-        }
-        anyhow::Ok(())
-    };
-    tokio::time::timeout(Duration::from_secs(30), wait)
-        .await
-        .with_context(|| {
-            format!(
-                "no failed event for {job_id}; events: {:?}",
-                seen.iter().map(|e| &e.body).collect::<Vec<_>>()
-            )
-        })?
+/// The job events `tap` has seen, with their message ids.
+fn job_events(tap: &EventTap) -> Vec<Event> {
+    tap.seen
+        .iter()
+        .zip(&tap.message_ids)
+        .filter(|((k, _), _)| k.starts_with("job."))
+        .map(|((key, body), message_id)| Event {
+            key: key.clone(),
+            message_id: message_id.clone(),
+            body: body.clone(),
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,8 +55,7 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         "",
     )
     .await?;
-    let mut events = job_events(&b).await?;
-    let mut seen = Vec::new();
+    let mut tap = b.tap_events().await?;
     let ctl = start_controller_on_empty_cloud(&broker_url(), &cluster, POOL, "info").await?;
     // The controller is connected once it has declared its own queues.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -158,7 +110,7 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         ensure!(deliveries <= 100, "the delivery limit never applied");
     }
     ensure!(deliveries as i64 > POOL_DELIVERY_LIMIT, "{deliveries}");
-    wait_failed(&mut events, &mut seen, &limited.id).await?;
+    tap.job_event(&limited.id, "failed", WAIT).await?;
 
     // Rejected without requeue, with a body that is no job.
     let garbage_id = format!("{}-garbage", rand::random::<u32>());
@@ -177,7 +129,8 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         .await?;
     // The watch queue is consumed in order: once this event is out, every
     // event of the letters before it is too.
-    wait_failed(&mut events, &mut seen, &garbage_id).await?;
+    tap.job_event(&garbage_id, "failed", WAIT).await?;
+    let seen = job_events(&tap);
 
     let of = |id: &str| -> Vec<&Event> { seen.iter().filter(|e| e.body["job_id"] == id).collect() };
     let limited_events = of(&limited.id);
