@@ -1,7 +1,7 @@
 # vq: the two set-up commands of README.md, plus packaging helpers.
 #   make demo   - the demo on the embedded test cloud (root)
 #   make test   - every gate and test, including packages-check (root)
-#   make packages       - .deb/.rpm of jobagent and vq-controller, controller OCI image, in target/packages/ (root)
+#   make packages       - .deb/.rpm of jobagent, vq-controller and vq (the CLI), controller OCI image, in target/packages/ (root)
 #   make packages-check - inspect and install-test them (clean Debian root, OCI image against vq-cloudsim)
 SHELL := /bin/bash
 # Honour CARGO_TARGET_DIR like cargo does.

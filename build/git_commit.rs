@@ -1,4 +1,4 @@
-// Shared by jobagent/build.rs and controller/build.rs (include!d).
+// Shared by jobagent/build.rs, controller/build.rs and cli/build.rs (include!d).
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -27,7 +27,7 @@ scripts/ensure-toolchain.sh
 scripts/ensure-rabbitmq.sh
 
 say "building vq (release) and the static jobagent"
-cargo build --locked --release -p vq-controller -p vq-tests --bins
+cargo build --locked --release -p vq-controller -p vq-cli -p vq-tests --bins
 scripts/build-static-agent.sh
 TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-$ROOT/target}")
 BIN=$TARGET_DIR/release

@@ -2,10 +2,11 @@
 # `make packages`: builds every artefact of a release from the checkout into
 # target/packages/:
 #   jobagent_<v>_amd64.deb, jobagent-<v>.x86_64.rpm         the static agent
-#   vq-controller_<v>_amd64.deb, vq-controller-<v>.x86_64.rpm controller + vq CLI
+#   vq-controller_<v>_amd64.deb, vq-controller-<v>.x86_64.rpm the controller
+#   vq_<v>_amd64.deb, vq-<v>.x86_64.rpm                      the vq CLI
 #   vq-controller-image/                                    OCI image layout
 # Binaries are static musl builds (agent: profile release-agent, tuned for
-# size; controller: release). Man pages and completions are rendered by the
+# size; controller and CLI: release). Man pages and completions are rendered by the
 # binaries themselves (hidden --generate-man / --completions flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,7 @@ say "static jobagent (musl, profile release-agent)"
 scripts/build-static-agent.sh
 static_or_die "$AGENT"
 say "static vq-controller and vq (musl, release)"
-cargo build --locked -p vq-controller --target "$MUSL" --release --bins
+cargo build --locked -p vq-controller -p vq-cli --target "$MUSL" --release --bins
 static_or_die "$CTRL_DIR/vq-controller"
 static_or_die "$CTRL_DIR/vq"
 
@@ -60,8 +61,10 @@ say ".deb and .rpm packages"
 rm -f "$OUT"/*.deb "$OUT"/*.rpm
 cargo deb --no-build --quiet -p vq-jobagent --target "$MUSL" --profile release-agent -o "$OUT/"
 cargo deb --no-build --quiet -p vq-controller --target "$MUSL" --profile release -o "$OUT/"
+cargo deb --no-build --quiet -p vq-cli --target "$MUSL" --profile release -o "$OUT/"
 cargo generate-rpm -p jobagent --target "$MUSL" --profile release-agent -o "$OUT/"
 cargo generate-rpm -p controller --target "$MUSL" --profile release -o "$OUT/"
+cargo generate-rpm -p cli --target "$MUSL" --profile release -o "$OUT/"
 
 say "controller OCI image (buildah, vfs storage, no daemon)"
 scripts/package-image.sh

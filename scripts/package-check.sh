@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # `make packages-check`: inspects and exercises what `make packages` built in
 # target/packages/, as root:
-#   1. the packaged jobagent binary: static (file, ldd), stripped, --version
-#      names the version and git commit;
+#   1. the packaged jobagent and vq binaries: static (file, ldd), stripped,
+#      --version names the version and git commit;
 #   2. .deb and .rpm contents: paths, modes, owners, conffiles /
-#      %config(noreplace), dependencies (none for the agent), scriptlets that
-#      never enable or start the agent;
+#      %config(noreplace), dependencies (none for the agent and vq), scriptlets
+#      that never enable or start the agent; vq ships no scriptlet, unit or
+#      file in /etc, and vq-controller no longer ships vq (Recommends it);
 #   3. a clean Debian root (debootstrap, cached in /var/cache/vq-debootstrap
-#      by suite): install version N-1 of jobagent, --version, --check-config
+#      by suite): the vq package alone (vq --version and --help run, no user,
+#      group, unit or /etc file appears, purge leaves nothing); install
+#      version N-1 of jobagent, --version, --check-config
 #      (fails unconfigured, passes with the identity cloud-init writes from
 #      packaging/cloud-init/jobagent-user-data.yaml), systemd-analyze verify,
 #      not enabled; modify the config, upgrade to N, config kept; purge
 #      removes /etc/vq and the state; the same for vq-controller (system
-#      user, config readable by it); the .rpm installed, upgraded and erased
-#      with rpm in the same root;
+#      user, config readable by it), upgraded together with vq from a
+#      vq-controller 0.1.0-1 that owned /usr/bin/vq; the .rpms of jobagent and
+#      vq installed (and upgraded) and erased with rpm in the same root;
 #   4. the OCI image: layout, config (user not root, entrypoint, port,
 #      volumes, CA bundle env), unpacked with umoci; the controller run from
 #      the unpacked rootfs (chroot, image user and env) with --check-config
@@ -53,8 +57,11 @@ one() { # the single file matching a glob
 }
 DEB_AGENT=$(one "$OUT/jobagent_*_amd64.deb")
 DEB_CTRL=$(one "$OUT/vq-controller_*_amd64.deb")
+DEB_CLI=$(one "$OUT/vq_*_amd64.deb")
 RPM_AGENT=$(one "$OUT/jobagent-*.x86_64.rpm")
 RPM_CTRL=$(one "$OUT/vq-controller-*.x86_64.rpm")
+# vq-<version>…, not vq-controller-…
+RPM_CLI=$(one "$OUT/vq-[0-9]*.x86_64.rpm")
 IMAGE=$OUT/vq-controller-image
 [ -f "$IMAGE/index.json" ] || die "no OCI layout in $IMAGE (run make packages)"
 VERSION=$(dpkg-deb -f "$DEB_AGENT" Version)
@@ -94,6 +101,16 @@ commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 check "jobagent --version names version and commit: $ver" \
   test "$ver" = "jobagent $UPSTREAM (git $commit)"
 
+dpkg-deb -x "$DEB_CLI" "$WORK/cli-deb"
+VQ=$WORK/cli-deb/usr/bin/vq
+desc=$(file -b "$VQ")
+check "vq is statically linked ($desc)" has "$desc" 'statically linked|static-pie linked'
+check "vq is stripped" eval 'has "$desc" ", stripped" && lacks "$desc" "not stripped"'
+lddout=$(ldd "$VQ" 2>&1 || true)
+check "ldd vq: no dynamic dependencies ($lddout)" has "$lddout" 'not a dynamic executable|statically linked'
+ver=$("$VQ" --version)
+check "vq --version names version and commit: $ver" test "$ver" = "vq $UPSTREAM (git $commit)"
+
 say "2. package contents"
 info=$(dpkg-deb --info "$DEB_AGENT")
 list=$(dpkg-deb -c "$DEB_AGENT")
@@ -121,20 +138,44 @@ check "jobagent(8) documents --check-config and --config" \
 info=$(dpkg-deb --info "$DEB_CTRL")
 list=$(dpkg-deb -c "$DEB_CTRL")
 check "vq-controller.deb: Depends only passwd (useradd)" has "$info" '^ Depends: passwd$'
-for f in usr/bin/vq-controller usr/bin/vq; do
-  check "vq-controller.deb: /$f 0755" has "$list" "^-rwxr-xr-x (root/root|0/0) .* \\./$f\$"
-done
+check "vq-controller.deb: Recommends vq (the CLI is its own package)" has "$info" '^ Recommends: vq$'
+check "vq-controller.deb: /usr/bin/vq-controller 0755" has "$list" '^-rwxr-xr-x (root/root|0/0) .* \./usr/bin/vq-controller$'
+check "vq-controller.deb: no vq binary, vq man pages or vq completions (package vq)" \
+  eval 'lacks "$list" " \./usr/bin/vq$| \./usr/share/man/man1/vq| \./usr/share/(bash-completion/completions/vq|zsh/vendor-completions/_vq|fish/vendor_completions\.d/vq\.fish)$"'
 dpkg-deb -e "$DEB_CTRL" "$WORK/ctrl-ctrl"
 check "vq-controller.deb: /etc/vq/controller.toml conffile, 0600 in the archive" \
   eval 'has "$list" "^-rw------- (root/root|0/0) .* \./etc/vq/controller\.toml$" && grep -qx /etc/vq/controller.toml "$WORK/ctrl-ctrl/conffiles"'
-for f in man/man8/vq-controller.8.gz man/man1/vq.1.gz man/man1/vq-submit.1.gz \
-         bash-completion/completions/vq bash-completion/completions/vq-controller \
-         zsh/vendor-completions/_vq fish/vendor_completions.d/vq.fish; do
+for f in man/man8/vq-controller.8.gz bash-completion/completions/vq-controller \
+         zsh/vendor-completions/_vq-controller fish/vendor_completions.d/vq-controller.fish; do
   check "vq-controller.deb: /usr/share/$f" has "$list" " \\./usr/share/$f\$"
 done
 check "vq-controller.deb: systemd unit" has "$list" ' \./(usr/)?lib/systemd/system/vq-controller\.service$'
 check "vq-controller.deb: does not enable or start the service on install (try-restart on upgrade)" \
   eval 'ctl=$(cat "$WORK/ctrl-ctrl/postinst"); test "$(grep -c "deb-systemd-helper enable" <<<"$ctl")" = "$(grep -c "deb-systemd-helper --quiet was-enabled" <<<"$ctl")" && lacks "$ctl" "deb-systemd-invoke (start|restart) "'
+
+info=$(dpkg-deb --info "$DEB_CLI")
+list=$(dpkg-deb -c "$DEB_CLI")
+check "vq.deb: Package vq, Architecture amd64" \
+  eval 'has "$info" "^ Package: vq$" && has "$info" "^ Architecture: amd64$"'
+check "vq.deb: no dependencies (static binary; empty Depends field)" lacks "$info" '^ (Pre-)?Depends: *[^ ]'
+check "vq.deb: Breaks and Replaces vq-controller (<< 0.1.0-2), which shipped /usr/bin/vq" \
+  eval 'has "$info" "^ Breaks: vq-controller \(<< 0\.1\.0-2\)$" && has "$info" "^ Replaces: vq-controller \(<< 0\.1\.0-2\)$"'
+check "vq.deb: /usr/bin/vq 0755 root" has "$list" '^-rwxr-xr-x (root/root|0/0) .* \./usr/bin/vq$'
+for f in man/man1/vq.1.gz man/man1/vq-submit.1.gz man/man1/vq-stat.1.gz man/man1/vq-drain.1.gz \
+         bash-completion/completions/vq zsh/vendor-completions/_vq fish/vendor_completions.d/vq.fish \
+         doc/vq/examples/vq.toml doc/vq/changelog.Debian.gz doc/vq/copyright; do
+  check "vq.deb: /usr/share/$f" has "$list" " \\./usr/share/$f\$"
+done
+check "vq.deb: nothing in /etc, no systemd unit, no other binary" \
+  eval 'lacks "$list" " \./etc/| \./(usr/)?lib/systemd/" && test "$(grep -Ec "/s?bin/[^/]+$" <<<"$list")" = 1'
+dpkg-deb -e "$DEB_CLI" "$WORK/cli-ctrl"
+check "vq.deb: no maintainer scripts and no conffiles (no user, no unit)" \
+  eval 'test -z "$(ls "$WORK/cli-ctrl" | grep -Ev "^(control|md5sums)$")"'
+gunzip -c <(dpkg-deb --fsys-tarfile "$DEB_CLI" | tar -xO ./usr/share/man/man1/vq.1.gz) > "$WORK/vq.1"
+# man_has FILE WORD...: every WORD (fixed text, roff escapes included) is in FILE.
+man_has() { local f=$1 w; shift; for w in "$@"; do grep -qF -- "$w" "$f" || return 1; done; }
+check "vq(1) documents the commands and the connection options" \
+  man_has "$WORK/vq.1" submit stat cancel pools drain '\-\-broker\-url' '\-\-cluster' '\-\-config'
 
 rpminfo=$(rpm -qip "$RPM_AGENT" 2>/dev/null)
 rpmfiles=$(rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} (%{FILEFLAGS:fflags}) %{FILENAMES}\n]' "$RPM_AGENT" 2>/dev/null)
@@ -152,9 +193,26 @@ check "jobagent.rpm: scriptlets reload systemd, never enable or start" \
   eval 'has "$rpmscripts" "daemon-reload" && lacks "$rpmscripts" "systemctl +(--[a-z-]+ +)*(enable|start|restart|preset) "'
 rpmfiles=$(rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} (%{FILEFLAGS:fflags}) %{FILENAMES}\n]' "$RPM_CTRL" 2>/dev/null)
 check "vq-controller.rpm: /etc/vq/controller.toml 0640 root:vq %config(noreplace)" has "$rpmfiles" '^-rw-r----- root:vq \(cn\) /etc/vq/controller\.toml$'
-check "vq-controller.rpm: vq and vq-controller binaries" \
-  eval 'has "$rpmfiles" "^-rwxr-xr-x root:root \(\) /usr/bin/vq$" && has "$rpmfiles" "^-rwxr-xr-x root:root \(\) /usr/bin/vq-controller$"'
+check "vq-controller.rpm: the vq-controller binary, not vq's files (package vq)" \
+  eval 'has "$rpmfiles" "^-rwxr-xr-x root:root \(\) /usr/bin/vq-controller$" && lacks "$rpmfiles" " /usr/bin/vq$| /usr/share/man/man1/vq| /usr/share/(bash-completion/completions/vq|zsh/site-functions/_vq|fish/vendor_completions\.d/vq\.fish)$"'
 check "vq-controller.rpm: creates the vq user before install" has "$(rpm -qp --scripts "$RPM_CTRL" 2>/dev/null)" 'useradd --system'
+check "vq-controller.rpm: Recommends vq" has "$(rpm -qp --recommends "$RPM_CTRL" 2>/dev/null)" '^vq$'
+
+rpminfo=$(rpm -qip "$RPM_CLI" 2>/dev/null)
+rpmfiles=$(rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} (%{FILEFLAGS:fflags}) %{FILENAMES}\n]' "$RPM_CLI" 2>/dev/null)
+rpmreq=$(rpm -qpR "$RPM_CLI" 2>/dev/null)
+check "vq.rpm: Name vq, License Apache-2.0" \
+  eval 'has "$rpminfo" "^Name +: vq$" && has "$rpminfo" "^License +: Apache-2.0$"'
+check "vq.rpm: requires no libraries (only rpmlib features)" \
+  eval 'lacks "$(grep -Ev "^rpmlib\(.*$" <<<"$rpmreq")" "."'
+check "vq.rpm: /usr/bin/vq 0755 root" has "$rpmfiles" '^-rwxr-xr-x root:root \(\) /usr/bin/vq$'
+check "vq.rpm: man pages, completions, example config" \
+  eval 'has "$rpmfiles" "\(d\) /usr/share/man/man1/vq\.1\.gz$" && has "$rpmfiles" "\(d\) /usr/share/man/man1/vq-submit\.1\.gz$" && has "$rpmfiles" " /usr/share/bash-completion/completions/vq$" && has "$rpmfiles" " /usr/share/zsh/site-functions/_vq$" && has "$rpmfiles" " /usr/share/fish/vendor_completions\.d/vq\.fish$" && has "$rpmfiles" "\(d\) /usr/share/doc/vq/examples/vq\.toml$"'
+check "vq.rpm: nothing in /etc, no systemd unit, no other binary" \
+  eval 'lacks "$rpmfiles" " /etc/| /usr/lib/systemd/" && test "$(grep -Ec "/s?bin/[^/]+$" <<<"$rpmfiles")" = 1'
+check "vq.rpm: no scriptlets" test -z "$(rpm -qp --scripts "$RPM_CLI" 2>/dev/null)"
+check "vq.rpm: Conflicts vq-controller < 0.1.0-2 (which owned /usr/bin/vq)" \
+  has "$(rpm -qp --conflicts "$RPM_CLI" 2>/dev/null)" '^vq-controller < 0\.1\.0-2$'
 
 say "3. install, upgrade and purge in a clean Debian root ($SUITE)"
 BASE=$CACHE/$SUITE
@@ -171,6 +229,40 @@ R=$WORK/root
 cp -a "$BASE" "$R"
 mount -t proc proc "$R/proc" && MOUNTS+=("$R/proc")
 in_root() { chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 "$@"; }
+# snapshot: the root's users, groups, unit files and every file in /etc.
+snapshot() {
+  cat "$R/etc/passwd" "$R/etc/group"
+  (cd "$R" && find etc lib/systemd usr/lib/systemd \( -type f -o -type l \) 2>/dev/null | LC_ALL=C sort)
+}
+
+# The vq package alone on the fresh root, as a login node installs it: no
+# service user or group, no unit, nothing in /etc.
+CLI_VERSION=$(dpkg-deb -f "$DEB_CLI" Version)
+cp "$DEB_CLI" "$R/tmp/"
+snapshot > "$WORK/before-vq"
+in_root dpkg -i "/tmp/$(basename "$DEB_CLI")" < /dev/null > "$WORK/dpkg.log" 2>&1 \
+  || { cat "$WORK/dpkg.log" >&2; bad "dpkg -i vq (alone)"; }
+check "installed vq $CLI_VERSION alone" \
+  test "$(in_root dpkg-query -W -f '${Version} ${Status}' vq)" = "$CLI_VERSION install ok installed"
+check "vq --version names the commit (installed alone)" eval 'in_root vq --version | grep -qx "vq $UPSTREAM (git $commit)"'
+check "vq --help lists submit, stat, cancel, pools, drain" \
+  eval 'h=$(in_root vq --help) && for c in submit stat cancel pools drain; do has "$h" "^  $c "; done'
+check "vq submit --help shows the qsub options" \
+  eval 'h=$(in_root vq submit --help) && has "$h" "^  -N <NAME>" && has "$h" "--wait"'
+set +e
+msg=$(in_root vq --controller http://127.0.0.1:1 pools 2>&1); rc=$?; msg=${msg//$'\n'/ }
+set -e
+check "vq pools without a controller exits 69 and names it ($msg)" \
+  eval 'test "$rc" = 69 && has "$msg" "127\.0\.0\.1:1"'
+snapshot > "$WORK/after-vq"
+check "installing vq created no user, group, unit or file in /etc" \
+  diff -u "$WORK/before-vq" "$WORK/after-vq"
+check "vq(1) and vq-submit(1) installed" \
+  test -f "$R/usr/share/man/man1/vq.1.gz" -a -f "$R/usr/share/man/man1/vq-submit.1.gz"
+in_root dpkg --purge vq > "$WORK/dpkg.log" 2>&1 || { cat "$WORK/dpkg.log" >&2; bad "dpkg --purge vq"; }
+snapshot > "$WORK/after-vq"
+check "purge of vq removed /usr/bin/vq and left the root as it was" \
+  eval '! test -e "$R/usr/bin/vq" && ! test -e "$R/usr/share/doc/vq" && diff -u "$WORK/before-vq" "$WORK/after-vq"'
 
 # Version N-1 of the same package, built by cargo-deb with an older version.
 PREV_VERSION="$UPSTREAM-0~prev1"
@@ -241,8 +333,24 @@ in_root dpkg --purge jobagent > "$WORK/dpkg.log" 2>&1 || { cat "$WORK/dpkg.log" 
 check "purge removed /etc/vq, /var/lib/vq, the binary and the unit" \
   eval '! test -e "$R/etc/vq" && ! test -e "$R/var/lib/vq" && ! test -e "$R/usr/sbin/jobagent" && ! ls "$R"/{usr/,}lib/systemd/system/jobagent.service >/dev/null 2>&1'
 
-in_root dpkg -i "/tmp/$(basename "$DEB_CTRL")" < /dev/null > "$WORK/dpkg.log" 2>&1 \
-  || { cat "$WORK/dpkg.log" >&2; bad "dpkg -i vq-controller"; }
+# vq-controller 0.1.0-1 (as released) owned /usr/bin/vq: a stand-in with
+# that file, then the new vq and vq-controller in one dpkg run, as apt does
+# it (vq Breaks and Replaces vq-controller << 0.1.0-2).
+OLD=$WORK/vq-controller-0.1.0-1
+mkdir -p "$OLD/DEBIAN" "$OLD/usr/bin"
+cp "$VQ" "$OLD/usr/bin/vq"
+printf '%s\n' 'Package: vq-controller' 'Version: 0.1.0-1' 'Architecture: amd64' \
+  'Maintainer: vq maintainers <vq@example.invalid>' \
+  'Description: stand-in for vq-controller 0.1.0-1, which shipped /usr/bin/vq' > "$OLD/DEBIAN/control"
+dpkg-deb --build --root-owner-group "$OLD" "$R/tmp/vq-controller_0.1.0-1_amd64.deb" > /dev/null
+in_root dpkg -i /tmp/vq-controller_0.1.0-1_amd64.deb < /dev/null > "$WORK/dpkg.log" 2>&1 \
+  || { cat "$WORK/dpkg.log" >&2; bad "dpkg -i vq-controller 0.1.0-1 (stand-in)"; }
+CTRL_VERSION=$(dpkg-deb -f "$DEB_CTRL" Version)
+in_root dpkg -i --auto-deconfigure "/tmp/$(basename "$DEB_CLI")" "/tmp/$(basename "$DEB_CTRL")" \
+  < /dev/null > "$WORK/dpkg.log" 2>&1 \
+  || { cat "$WORK/dpkg.log" >&2; bad "dpkg -i vq and vq-controller over vq-controller 0.1.0-1"; }
+check "upgraded vq-controller 0.1.0-1 to $CTRL_VERSION with vq $CLI_VERSION; /usr/bin/vq now belongs to vq" \
+  eval 'test "$(in_root dpkg-query -W -f "\${Version} \${Status}" vq-controller)" = "$CTRL_VERSION install ok installed" && test "$(in_root dpkg-query -W -f "\${Status}" vq)" = "install ok installed" && test "$(in_root dpkg -S /usr/bin/vq)" = "vq: /usr/bin/vq"'
 check "vq-controller: system user vq created" eval 'in_root getent passwd vq | grep -q "^vq:x:[0-9]*:[0-9]*:.*:/nonexistent:/usr/sbin/nologin$"'
 check "vq-controller: /etc/vq/controller.toml is 0640 root:vq" test "$(stat -c '%a %U' "$R/etc/vq/controller.toml"):$(in_root stat -c %G /etc/vq/controller.toml)" = "640 root:vq"
 check "vq --version and vq-controller --version name the commit" \
@@ -256,8 +364,9 @@ va=$(in_root systemd-analyze verify --man=no vq-controller.service 2>&1) \
   && ok "systemd-analyze verify vq-controller.service" \
   || bad "systemd-analyze verify vq-controller.service: $va"
 in_root dpkg --purge vq-controller > "$WORK/dpkg.log" 2>&1 || { cat "$WORK/dpkg.log" >&2; bad "dpkg --purge vq-controller"; }
-check "purge of vq-controller removed /etc/vq and the binaries" \
-  eval '! test -e "$R/etc/vq" && ! test -e "$R/usr/bin/vq-controller" && ! test -e "$R/usr/bin/vq"'
+check "purge of vq-controller removed /etc/vq and its binary, left vq's" \
+  eval '! test -e "$R/etc/vq" && ! test -e "$R/usr/bin/vq-controller" && in_root vq --version > /dev/null'
+in_root dpkg --purge vq > "$WORK/dpkg.log" 2>&1 || { cat "$WORK/dpkg.log" >&2; bad "dpkg --purge vq"; }
 
 # The .rpm with rpm in the same root (scriptlets run chrooted there; the
 # root has no rpm database of its libraries, hence --nodeps).
@@ -273,6 +382,14 @@ check "rpm: upgrade kept the modified config" grep -qx "# site change rpm $$" "$
 "${RPM[@]}" -e jobagent 2> "$WORK/rpm.log" || { cat "$WORK/rpm.log" >&2; bad "rpm -e jobagent"; }
 check "rpm: erase removed the binary and kept the modified config as .rpmsave" \
   eval '! test -e "$R/usr/sbin/jobagent" && test -f "$R/etc/vq/jobagent.toml.rpmsave"'
+snapshot > "$WORK/before-vq"
+"${RPM[@]}" -i "$RPM_CLI" 2> "$WORK/rpm.log" || { cat "$WORK/rpm.log" >&2; bad "rpm -i vq"; }
+check "rpm: vq --version names the commit, vq --help runs" \
+  eval 'in_root vq --version | grep -qx "vq $UPSTREAM (git $commit)" && in_root vq --help > /dev/null'
+snapshot > "$WORK/after-vq"
+check "rpm: installing vq created no user, group, unit or file in /etc" diff -u "$WORK/before-vq" "$WORK/after-vq"
+"${RPM[@]}" -e vq 2> "$WORK/rpm.log" || { cat "$WORK/rpm.log" >&2; bad "rpm -e vq"; }
+check "rpm: erase of vq removed /usr/bin/vq" eval '! test -e "$R/usr/bin/vq"'
 
 say "4. the controller OCI image"
 TAG=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])' "$IMAGE/index.json")

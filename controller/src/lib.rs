@@ -1,5 +1,5 @@
-//! vq controller library: the stateless reconcile loop (`vq-controller`) and
-//! the user/admin CLI (`vq`).
+//! vq controller library: the stateless reconcile loop (`vq-controller`).
+//! The user/admin CLI `vq` is the crate `vq-cli` (`cli/`).
 //!
 //! The loop (STYLE.md practice 4) is observe ([`observe`]), plan
 //! ([`plan`], pure) and act ([`act`]), driven per pool by [`reconcile`];
@@ -11,7 +11,6 @@
 pub mod act;
 pub mod backoff;
 pub mod broker;
-pub mod cli;
 pub mod error;
 pub mod http;
 pub mod observe;

@@ -211,7 +211,7 @@ async fn a_pool_whose_servers_the_listings_do_not_show_stops_booting_and_says_wh
     let p = ctl.pool_status().await.context("status")?;
     ensure!(p["obstacle"].is_string(), "obstacle gone: {p}");
     ensure!(ctl.log().contains(name), "the log does not name {name}");
-    let cli = build_bin("vq-controller", "vq")?;
+    let cli = build_bin("vq-cli", "vq")?;
     let out = Command::new(&cli)
         .args([
             "pools",

@@ -66,7 +66,7 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
 
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
-    let vq_bin = build_bin("vq-controller", "vq")?;
+    let vq_bin = build_bin("vq-cli", "vq")?;
 
     let tmp = tempfile::tempdir()?;
     let agent_cfg = tmp.path().join("jobagent.toml");

@@ -11,9 +11,9 @@ use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{Control, Message};
 use vq_common::topology::Topology;
 
-use super::error::{amqp_reply_code, CliError, NOT_FOUND};
-use super::events::{find_job, read_job_events, summarize, JobSummary, StatState};
-use super::settings::Settings;
+use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
+use crate::events::{find_job, read_job_events, summarize, JobSummary, StatState};
+use crate::settings::Settings;
 
 /// Checks that `user` may cancel `job` and that it is running; returns the
 /// agent to send the cancel to.
@@ -93,7 +93,7 @@ pub async fn send_control(
 /// # Errors
 /// [`CliError`].
 pub async fn run_cancel(settings: &Settings, job_id: &str) -> Result<i32, CliError> {
-    let (user, is_root) = super::invoking_user()?;
+    let (user, is_root) = crate::invoking_user()?;
     let topo = Topology::new(&settings.cluster);
     let conn = amqp::connect(&settings.broker, "vq cancel")
         .await
@@ -151,8 +151,8 @@ pub async fn run_drain(settings: &Settings, agent: &str) -> Result<i32, CliError
 mod tests {
     use vq_common::messages::{JobState, Outcome, Usage};
 
-    use super::super::events::tests::ev;
     use super::*;
+    use crate::events::tests::ev;
 
     #[test]
     fn only_the_owner_or_root_cancels_a_running_job() {

@@ -1,11 +1,11 @@
-//! The `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`, `drain`.
+//! `vq-cli`: the `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`, `drain`.
 //!
 //! `vq submit` takes `qsub`'s options and `#PBS` directives, so Torque job
 //! scripts run unchanged. Exit codes: 0 success, 64 bad usage or input, 69
 //! broker or controller unavailable, 1 any other failure; `vq submit --wait`
 //! exits with the job's status.
 //!
-//! The binary (`src/bin/vq.rs`) only parses arguments and maps errors to
+//! The binary (`src/main.rs`) only parses arguments and maps errors to
 //! exit codes; everything else is here so tests can call it.
 
 pub mod control;

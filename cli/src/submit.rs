@@ -37,8 +37,8 @@ use vq_common::messages::{
 use vq_common::pbs::{self, Directives, PbsError, VarValue, Warning};
 use vq_common::topology::{job_event_key, Topology};
 
-use super::error::{amqp_reply_code, CliError, NOT_FOUND};
-use super::settings::Settings;
+use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
+use crate::settings::Settings;
 
 /// Pool used when neither `-q` nor `#PBS -q` names one.
 pub const DEFAULT_POOL: &str = "default";
@@ -837,9 +837,9 @@ mod tests {
     #[test]
     fn the_example_scripts_build_without_warnings() {
         let examples = [
-            ("hello.pbs", include_str!("../../../examples/hello.pbs")),
-            ("compute.pbs", include_str!("../../../examples/compute.pbs")),
-            ("env.pbs", include_str!("../../../examples/env.pbs")),
+            ("hello.pbs", include_str!("../../examples/hello.pbs")),
+            ("compute.pbs", include_str!("../../examples/compute.pbs")),
+            ("env.pbs", include_str!("../../examples/env.pbs")),
         ];
         let mut c = ctx();
         c.env.insert("DEMO_FROM_SUBMIT".into(), "hi".into());

@@ -7,9 +7,9 @@ use vq_common::messages::unix_now;
 use vq_common::pbs::format_walltime;
 use vq_common::topology::Topology;
 
-use super::error::CliError;
-use super::events::{find_job, read_job_events, summarize, JobSummary};
-use super::settings::Settings;
+use crate::error::CliError;
+use crate::events::{find_job, read_job_events, summarize, JobSummary};
+use crate::settings::Settings;
 
 /// Which jobs to show.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,7 +96,7 @@ pub fn render(jobs: &[&JobSummary], now: f64) -> String {
 /// # Errors
 /// [`CliError`].
 pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result<i32, CliError> {
-    let (user, is_root) = super::invoking_user()?;
+    let (user, is_root) = crate::invoking_user()?;
     let topo = Topology::new(&settings.cluster);
     let conn = vq_common::amqp::connect(&settings.broker, "vq stat")
         .await
@@ -123,7 +123,7 @@ pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result
     if shown.is_empty() {
         println!("no jobs");
     } else {
-        print!("{}", super::printable_lines(&render(&shown, unix_now())));
+        print!("{}", crate::printable_lines(&render(&shown, unix_now())));
     }
     Ok(0)
 }
@@ -132,8 +132,8 @@ pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result
 mod tests {
     use vq_common::messages::{JobState, Outcome, Usage};
 
-    use super::super::events::tests::ev;
     use super::*;
+    use crate::events::tests::ev;
 
     fn jobs() -> Vec<JobSummary> {
         summarize(&[

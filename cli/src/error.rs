@@ -3,7 +3,7 @@
 use vq_common::amqp::AmqpError;
 use vq_common::pbs::PbsError;
 
-use super::submit::SubmitError;
+use crate::submit::SubmitError;
 
 /// Exit code for bad usage or bad input (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;

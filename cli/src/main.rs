@@ -1,4 +1,4 @@
-//! `vq`: the user/admin CLI of a vq cluster (see `vq_controller::cli`).
+//! `vq`: the user/admin CLI of a vq cluster (see the `vq_cli` library).
 //!
 //! Thin: install the TLS provider, parse arguments, run the command on a
 //! single-threaded runtime, print errors with their causes, map them to exit
@@ -8,7 +8,7 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use vq_controller::cli::{self, error::EXIT_OTHER, error::EXIT_USAGE, Cli};
+use vq_cli::{self as cli, error::EXIT_OTHER, error::EXIT_USAGE, Cli};
 
 /// `--version`: the package version and the git commit it was built from.
 const VERSION: &str = concat!(

@@ -15,7 +15,7 @@ use vq_common::amqp::AmqpError;
 use vq_common::messages::{JobEvent, JobState, Message, Outcome};
 use vq_common::topology::Topology;
 
-use super::error::{lapin_reply_code, CliError, NOT_FOUND};
+use crate::error::{lapin_reply_code, CliError, NOT_FOUND};
 
 /// Prefetch of the stream consumer (messages).
 pub const STREAM_PREFETCH: u16 = 1000;

@@ -15,14 +15,14 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
+use vq_cli::events::read_job_events;
+use vq_cli::submit::{build_job, new_job_id, publish_job, SubmitContext};
+use vq_cli::CliError;
 use vq_common::amqp;
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Job, JobEvent, JobState, Message, Outcome, Usage};
 use vq_common::pbs::Directives;
 use vq_common::topology::{job_event_key, Topology};
-use vq_controller::cli::events::read_job_events;
-use vq_controller::cli::submit::{build_job, new_job_id, publish_job, SubmitContext};
-use vq_controller::cli::CliError;
 
 fn broker_url() -> String {
     std::env::var("VQ_TEST_BROKER_URL")

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::error::CliError;
-use super::settings::Settings;
+use crate::error::CliError;
+use crate::settings::Settings;
 
 /// Timeout of the status request.
 pub const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
@@ -136,7 +136,7 @@ pub async fn run(settings: &Settings) -> Result<i32, CliError> {
         url: format!("{}/status", settings.controller_url),
         problem: "no \"pools\" object".into(),
     })?;
-    print!("{}", super::printable_lines(&table));
+    print!("{}", crate::printable_lines(&table));
     Ok(0)
 }
 
@@ -181,7 +181,7 @@ mod tests {
     }
     #[test]
     fn the_controllers_own_status_document_renders() {
-        use crate::status::{AgentCounts, PoolStatus, StatusReport, VmCounts};
+        use vq_controller::status::{AgentCounts, PoolStatus, StatusReport, VmCounts};
         let mut report = StatusReport::default();
         report.pools.insert(
             "default".into(),

@@ -21,7 +21,7 @@ use serde::Deserialize;
 use vq_common::config::{redact_url, BrokerConfig};
 use vq_common::topology::{valid_name, DEFAULT_CLUSTER};
 
-use super::error::CliError;
+use crate::error::CliError;
 
 /// Default broker URL (a local RabbitMQ with the guest account).
 pub const DEFAULT_BROKER_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -235,6 +235,18 @@ mod tests {
             "{text}"
         );
         assert_eq!(err.exit_code(), 64);
+    }
+
+    #[test]
+    fn the_packaged_example_config_is_valid() {
+        // packaging/vq.example.toml, shipped in the vq package as
+        // /usr/share/doc/vq/examples/vq.toml.
+        let path = Path::new("vq.example.toml");
+        let file = parse_file(include_str!("../../packaging/vq.example.toml"), path).unwrap();
+        assert_eq!(file.cluster.as_deref(), Some("vq"));
+        let s = Settings::resolve(Overrides::default(), file, Some(path)).unwrap();
+        assert_eq!(s.broker_user(), "alice");
+        assert_eq!(s.controller_url, "http://vq-controller.example.org:9180");
     }
 
     #[test]
