@@ -93,7 +93,11 @@ pub async fn send_control(
 /// # Errors
 /// [`CliError`].
 pub async fn run_cancel(settings: &Settings, job_id: &str) -> Result<i32, CliError> {
-    let (user, is_root) = crate::invoking_user()?;
+    let crate::term::InvokingUser {
+        name: user,
+        is_root,
+        ..
+    } = crate::term::invoking_user()?;
     let topo = Topology::new(&settings.cluster);
     let conn = amqp::connect(&settings.broker, "vq cancel")
         .await

@@ -1,9 +1,8 @@
-//! Errors of the `vq` CLI and their exit codes.
+//! Errors of the `vq` CLI and their exit codes: [`CliError`] for every
+//! command, [`SubmitError`] for a job that cannot be built.
 
 use vq_common::amqp::AmqpError;
 use vq_common::pbs::PbsError;
-
-use crate::submit::SubmitError;
 
 /// Exit code for bad usage or bad input (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;
@@ -144,6 +143,45 @@ pub enum CliError {
     WaitInterrupted {
         /// Job id.
         job_id: String,
+    },
+}
+
+/// Why a job could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The script is larger than
+    /// [`MAX_SCRIPT_BYTES`](vq_common::messages::MAX_SCRIPT_BYTES).
+    #[error("the script is {size} bytes, larger than the limit of {limit} bytes (keep large files on a shared file system)")]
+    ScriptTooLarge {
+        /// Size, bytes (at least; reading stops past the limit).
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
+    },
+    /// The script is not UTF-8 text.
+    #[error("the script is not UTF-8 text")]
+    ScriptNotText,
+    /// The script has nothing but blanks.
+    #[error("the script is empty")]
+    EmptyScript,
+    /// A `#PBS` directive is invalid.
+    #[error("invalid #PBS directive in {script}")]
+    Directive {
+        /// Script name.
+        script: String,
+        /// The problem, with its line.
+        #[source]
+        source: PbsError,
+    },
+    /// The encoded job is larger than
+    /// [`MAX_JOB_MESSAGE_BYTES`](vq_common::messages::MAX_JOB_MESSAGE_BYTES)
+    /// (usually a huge `-V` environment).
+    #[error("the job message is {size} bytes, larger than the limit of {limit} bytes (is the -V environment huge?)")]
+    JobTooLarge {
+        /// Size, bytes.
+        size: usize,
+        /// Limit, bytes.
+        limit: usize,
     },
 }
 

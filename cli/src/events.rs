@@ -1,5 +1,6 @@
-//! Reading the job-event stream `<cluster>.events.log` and folding it into
-//! one summary per job (used by `vq stat` and `vq cancel`).
+//! Job events: reading the retained stream `<cluster>.events.log` and
+//! folding it into one summary per job (used by `vq stat` and `vq cancel`),
+//! and following one job's live events (`vq submit --wait`).
 //!
 //! The stream is a RabbitMQ stream queue (3.9+): it is consumed from its
 //! first retained message (`x-stream-offset = first`) with a prefetch and
@@ -9,11 +10,13 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use vq_common::amqp::AmqpError;
 use vq_common::messages::{JobEvent, JobState, Message, Outcome};
-use vq_common::topology::Topology;
+use vq_common::topology::{job_event_key, Topology};
 
 use crate::error::{lapin_reply_code, CliError, NOT_FOUND};
 
@@ -107,6 +110,129 @@ pub async fn read_job_events(
     }
     let _ = ch.close(200, "done".into()).await;
     Ok(Some(events))
+}
+
+/// Declares a server-named exclusive queue bound to the pool's job events
+/// and consumes it (auto-ack). Subscribe before publishing a job so that
+/// a fast job's events are not missed.
+///
+/// # Errors
+/// [`CliError::Broker`].
+pub async fn subscribe_job_events(
+    conn: &lapin::Connection,
+    topo: &Topology,
+    pool: &str,
+) -> Result<lapin::Consumer, CliError> {
+    let op = |what: &str| {
+        let what = what.to_string();
+        move |source| CliError::Broker {
+            action: "subscribe to job events".into(),
+            source: Box::new(AmqpError::Op { what, source }),
+        }
+    };
+    let ch = conn.create_channel().await.map_err(op("channel.open"))?;
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(op("queue.declare"))?;
+    let key = job_event_key(pool, "*");
+    ch.queue_bind(
+        q.name().clone(),
+        topo.events_exchange().into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(op("queue.bind"))?;
+    ch.basic_consume(
+        q.name().clone(),
+        "".into(),
+        BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(op("basic.consume"))
+}
+
+/// Exit status of `vq submit --wait` for a final job state: the job's exit
+/// code; `128 + signal` for a signal (as a shell reports it); 1 for
+/// walltime, cancel, output limit, failure to start and rejection.
+pub fn wait_exit_code(state: &JobState) -> i32 {
+    match state {
+        JobState::Finished {
+            outcome: Outcome::Exited { code },
+            ..
+        } => *code,
+        JobState::Finished {
+            outcome: Outcome::Signaled { signal },
+            ..
+        } => 128 + signal,
+        JobState::Started => 0,
+        JobState::Finished { .. } | JobState::Failed { .. } => 1,
+    }
+}
+
+/// A short human description of an outcome, e.g. `exited with status 3`.
+pub fn describe_outcome(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Exited { code } => format!("exited with status {code}"),
+        Outcome::Signaled { signal } => format!("was killed by signal {signal}"),
+        Outcome::Walltime => "exceeded its walltime and was killed".into(),
+        Outcome::Cancelled => "was cancelled".into(),
+        Outcome::OutputLimit => "exceeded the output limit and was killed".into(),
+        Outcome::FailedToStart { reason } => format!("failed to start: {reason}"),
+    }
+}
+
+/// Follows `job_id`'s events on `consumer` (from [`subscribe_job_events`])
+/// until its final one, printing progress to stderr; returns
+/// [`wait_exit_code`] of the final state. Events published by another
+/// submitter than `me` (the broker user) are ignored.
+///
+/// # Errors
+/// [`CliError::WaitInterrupted`] if the subscription ends first.
+pub async fn wait_for_job(
+    mut consumer: lapin::Consumer,
+    job_id: &str,
+    me: &str,
+) -> Result<i32, CliError> {
+    // Job ids are chosen by submitters: an event for the same id from
+    // another submitter's message is not about this job.
+    while let Some(delivery) = consumer.next().await {
+        let Ok(delivery) = delivery else { break };
+        let Ok(event) = JobEvent::decode(&delivery.data) else {
+            continue;
+        };
+        if event.job_id != job_id || event.submitter.as_deref().is_some_and(|s| s != me) {
+            continue;
+        }
+        match &event.state {
+            JobState::Started => eprintln!("vq: job {} started on {}", job_id, event.agent),
+            JobState::Finished { outcome, .. } => {
+                eprintln!("vq: job {} {}", job_id, describe_outcome(outcome));
+                return Ok(wait_exit_code(&event.state));
+            }
+            JobState::Failed { reason } => {
+                eprintln!("vq: job {} failed: {reason}", job_id);
+                return Ok(wait_exit_code(&event.state));
+            }
+        }
+    }
+    Err(CliError::WaitInterrupted {
+        job_id: job_id.to_string(),
+    })
 }
 
 /// State of a job as `qstat` shows it.
@@ -380,5 +506,17 @@ pub(crate) mod tests {
             find_job(&s, "abc"),
             Err(CliError::AmbiguousJob { .. })
         ));
+    }
+
+    #[test]
+    fn wait_exit_codes_follow_the_shell() {
+        let fin = |outcome| JobState::Finished {
+            outcome,
+            usage: Default::default(),
+        };
+        assert_eq!(wait_exit_code(&fin(Outcome::Exited { code: 3 })), 3);
+        assert_eq!(wait_exit_code(&fin(Outcome::Signaled { signal: 9 })), 137);
+        assert_eq!(wait_exit_code(&fin(Outcome::Walltime)), 1);
+        assert_eq!(wait_exit_code(&JobState::Failed { reason: "x".into() }), 1);
     }
 }

@@ -6,7 +6,11 @@
 //! exits with the job's status.
 //!
 //! The binary (`src/main.rs`) only parses arguments and maps errors to
-//! exit codes; everything else is here so tests can call it.
+//! exit codes; everything else is here so tests can call it: [`submit`]
+//! (building and publishing a job), [`events`] (reading and following job
+//! events), [`stat`], [`control`] (cancel, drain), [`pools`], [`settings`]
+//! (where to connect), [`term`] (the invoking user, terminal-safe text) and
+//! [`error`] (every error and its exit code).
 
 pub mod control;
 pub mod error;
@@ -15,6 +19,7 @@ pub mod pools;
 pub mod settings;
 pub mod stat;
 pub mod submit;
+pub mod term;
 
 use std::path::PathBuf;
 
@@ -204,24 +209,6 @@ pub fn resolve_settings(global: &GlobalArgs) -> Result<Settings, CliError> {
     )
 }
 
-/// The invoking Unix user's name, and whether it is root.
-///
-/// # Errors
-/// [`CliError::Environment`] if the uid has no name.
-pub fn invoking_user() -> Result<(String, bool), CliError> {
-    let uid = nix::unistd::getuid();
-    let user = nix::unistd::User::from_uid(uid)
-        .map_err(|e| CliError::Environment {
-            what: format!("user name of uid {uid}"),
-            source: Some(Box::new(e)),
-        })?
-        .ok_or_else(|| CliError::Environment {
-            what: format!("user name of uid {uid} (not in the password database)"),
-            source: None,
-        })?;
-    Ok((user.name, uid.is_root()))
-}
-
 /// Runs one `vq` command; returns the process exit code.
 ///
 /// # Errors
@@ -240,44 +227,8 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
     }
 }
 
-/// `text` made safe for a terminal: control characters (escape sequences,
-/// NUL, newlines) are shown as `\u{..}` escapes. Job ids, names and owners
-/// come from other users' messages; printing them raw would let one user
-/// drive another's (or root's) terminal.
-pub fn printable(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
-        return text.to_string();
-    }
-    text.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_unicode().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect()
-}
-
-/// [`printable`] applied to each line of `table`, keeping the line breaks.
-pub fn printable_lines(table: &str) -> String {
-    table
-        .split_inclusive('\n')
-        .map(|line| match line.strip_suffix('\n') {
-            Some(l) => printable(l) + "\n",
-            None => printable(line),
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn control_characters_are_escaped_for_the_terminal() {
-        assert_eq!(super::printable("plain-name_1.x"), "plain-name_1.x");
-        assert_eq!(super::printable("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\u{a}");
-    }
-
     use super::*;
 
     #[test]

@@ -136,7 +136,7 @@ pub async fn run(settings: &Settings) -> Result<i32, CliError> {
         url: format!("{}/status", settings.controller_url),
         problem: "no \"pools\" object".into(),
     })?;
-    print!("{}", crate::printable_lines(&table));
+    print!("{}", crate::term::printable_lines(&table));
     Ok(0)
 }
 

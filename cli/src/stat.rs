@@ -96,7 +96,11 @@ pub fn render(jobs: &[&JobSummary], now: f64) -> String {
 /// # Errors
 /// [`CliError`].
 pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result<i32, CliError> {
-    let (user, is_root) = crate::invoking_user()?;
+    let crate::term::InvokingUser {
+        name: user,
+        is_root,
+        ..
+    } = crate::term::invoking_user()?;
     let topo = Topology::new(&settings.cluster);
     let conn = vq_common::amqp::connect(&settings.broker, "vq stat")
         .await
@@ -123,7 +127,10 @@ pub async fn run(settings: &Settings, all: bool, job_ids: Vec<String>) -> Result
     if shown.is_empty() {
         println!("no jobs");
     } else {
-        print!("{}", crate::printable_lines(&render(&shown, unix_now())));
+        print!(
+            "{}",
+            crate::term::printable_lines(&render(&shown, unix_now()))
+        );
     }
     Ok(0)
 }

@@ -26,59 +26,17 @@ use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
 use vq_common::amqp::{self, AmqpError};
-use vq_common::messages::{
-    Job, JobEvent, JobState, Message, Outcome, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES,
-    SCHEMA_VERSION,
-};
-use vq_common::pbs::{self, Directives, PbsError, VarValue, Warning};
-use vq_common::topology::{job_event_key, Topology};
+use vq_common::messages::{Job, Message, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES, SCHEMA_VERSION};
+use vq_common::pbs::{self, Directives, VarValue, Warning};
+use vq_common::topology::Topology;
 
-use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
+use crate::error::{amqp_reply_code, CliError, SubmitError, NOT_FOUND};
+use crate::events;
 use crate::settings::Settings;
 
 /// Pool used when neither `-q` nor `#PBS -q` names one.
 pub const DEFAULT_POOL: &str = "default";
-
-/// Why a job could not be built.
-#[derive(Debug, thiserror::Error)]
-pub enum SubmitError {
-    /// The script is larger than [`MAX_SCRIPT_BYTES`].
-    #[error("the script is {size} bytes, larger than the limit of {limit} bytes (keep large files on a shared file system)")]
-    ScriptTooLarge {
-        /// Size, bytes (at least; reading stops past the limit).
-        size: usize,
-        /// Limit, bytes.
-        limit: usize,
-    },
-    /// The script is not UTF-8 text.
-    #[error("the script is not UTF-8 text")]
-    ScriptNotText,
-    /// The script has nothing but blanks.
-    #[error("the script is empty")]
-    EmptyScript,
-    /// A `#PBS` directive is invalid.
-    #[error("invalid #PBS directive in {script}")]
-    Directive {
-        /// Script name.
-        script: String,
-        /// The problem, with its line.
-        #[source]
-        source: PbsError,
-    },
-    /// The encoded job is larger than [`MAX_JOB_MESSAGE_BYTES`] (usually a
-    /// huge `-V` environment).
-    #[error("the job message is {size} bytes, larger than the limit of {limit} bytes (is the -V environment huge?)")]
-    JobTooLarge {
-        /// Size, bytes.
-        size: usize,
-        /// Limit, bytes.
-        limit: usize,
-    },
-}
 
 /// Facts about the submission that do not come from the script or options.
 #[derive(Debug, Clone)]
@@ -343,16 +301,7 @@ pub fn read_script(path: &str) -> Result<Vec<u8>, CliError> {
 /// # Errors
 /// [`CliError::Environment`] if the user, directory or host name is unknown.
 pub fn gather_context(settings: &Settings, job_id: String) -> Result<SubmitContext, CliError> {
-    let uid = nix::unistd::getuid();
-    let user = nix::unistd::User::from_uid(uid)
-        .map_err(|e| CliError::Environment {
-            what: format!("user name of uid {uid}"),
-            source: Some(Box::new(e)),
-        })?
-        .ok_or_else(|| CliError::Environment {
-            what: format!("user name of uid {uid} (not in the password database)"),
-            source: None,
-        })?;
+    let user = crate::term::invoking_user()?;
     let submit_dir = std::env::current_dir().map_err(|e| CliError::Environment {
         what: "current directory".into(),
         source: Some(Box::new(e)),
@@ -370,8 +319,8 @@ pub fn gather_context(settings: &Settings, job_id: String) -> Result<SubmitConte
     Ok(SubmitContext {
         job_id,
         user: user.name,
-        home: user.dir.to_string_lossy().into_owned(),
-        login_shell: user.shell.to_string_lossy().into_owned(),
+        home: user.home,
+        login_shell: user.shell,
         submit_dir: submit_dir.to_string_lossy().into_owned(),
         host,
         env,
@@ -445,7 +394,8 @@ pub async fn publish_job(
 }
 
 /// What `vq submit` does after parsing its arguments; returns the exit code
-/// (0, or with `wait` the job's exit status; see [`wait_exit_code`]).
+/// (0, or with `wait` the job's exit status; see
+/// [`events::wait_exit_code`]).
 ///
 /// # Errors
 /// [`CliError`].
@@ -483,7 +433,7 @@ async fn submit_on(
         .map_err(CliError::broker("open a channel"))?;
     // Subscribe before publishing so that a fast job's events are not missed.
     let events = if wait {
-        Some(subscribe_job_events(conn, topo, &job.pool).await?)
+        Some(events::subscribe_job_events(conn, topo, &job.pool).await?)
     } else {
         None
     };
@@ -491,115 +441,10 @@ async fn submit_on(
     publish_job(&ch, topo, job, &settings.broker_user(), timeout).await?;
     tracing::info!(job_id = %job.id, pool = %job.pool, "job submitted");
     println!("{}", job.id);
-    let Some(mut consumer) = events else {
+    let Some(consumer) = events else {
         return Ok(0);
     };
-    // Job ids are chosen by submitters: an event for the same id from
-    // another submitter's message is not about this job.
-    let me = settings.broker_user();
-    while let Some(delivery) = consumer.next().await {
-        let Ok(delivery) = delivery else { break };
-        let Ok(event) = JobEvent::decode(&delivery.data) else {
-            continue;
-        };
-        if event.job_id != job.id || event.submitter.as_deref().is_some_and(|s| s != me) {
-            continue;
-        }
-        match &event.state {
-            JobState::Started => eprintln!("vq: job {} started on {}", job.id, event.agent),
-            JobState::Finished { outcome, .. } => {
-                eprintln!("vq: job {} {}", job.id, describe_outcome(outcome));
-                return Ok(wait_exit_code(&event.state));
-            }
-            JobState::Failed { reason } => {
-                eprintln!("vq: job {} failed: {reason}", job.id);
-                return Ok(wait_exit_code(&event.state));
-            }
-        }
-    }
-    Err(CliError::WaitInterrupted {
-        job_id: job.id.clone(),
-    })
-}
-
-/// Declares a server-named exclusive queue bound to the pool's job events
-/// and consumes it (auto-ack).
-async fn subscribe_job_events(
-    conn: &lapin::Connection,
-    topo: &Topology,
-    pool: &str,
-) -> Result<lapin::Consumer, CliError> {
-    let op = |what: &str| {
-        let what = what.to_string();
-        move |source| CliError::Broker {
-            action: "subscribe to job events".into(),
-            source: Box::new(AmqpError::Op { what, source }),
-        }
-    };
-    let ch = conn.create_channel().await.map_err(op("channel.open"))?;
-    let q = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(op("queue.declare"))?;
-    let key = job_event_key(pool, "*");
-    ch.queue_bind(
-        q.name().clone(),
-        topo.events_exchange().into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .map_err(op("queue.bind"))?;
-    ch.basic_consume(
-        q.name().clone(),
-        "".into(),
-        BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map_err(op("basic.consume"))
-}
-
-/// Exit status of `vq submit --wait` for a final job state: the job's exit
-/// code; `128 + signal` for a signal (as a shell reports it); 1 for
-/// walltime, cancel, output limit, failure to start and rejection.
-pub fn wait_exit_code(state: &JobState) -> i32 {
-    match state {
-        JobState::Finished {
-            outcome: Outcome::Exited { code },
-            ..
-        } => *code,
-        JobState::Finished {
-            outcome: Outcome::Signaled { signal },
-            ..
-        } => 128 + signal,
-        JobState::Started => 0,
-        JobState::Finished { .. } | JobState::Failed { .. } => 1,
-    }
-}
-
-/// A short human description of an outcome, e.g. `exited with status 3`.
-pub fn describe_outcome(outcome: &Outcome) -> String {
-    match outcome {
-        Outcome::Exited { code } => format!("exited with status {code}"),
-        Outcome::Signaled { signal } => format!("was killed by signal {signal}"),
-        Outcome::Walltime => "exceeded its walltime and was killed".into(),
-        Outcome::Cancelled => "was cancelled".into(),
-        Outcome::OutputLimit => "exceeded the output limit and was killed".into(),
-        Outcome::FailedToStart { reason } => format!("failed to start: {reason}"),
-    }
+    events::wait_for_job(consumer, &job.id, &settings.broker_user()).await
 }
 
 #[cfg(test)]
@@ -820,18 +665,6 @@ mod tests {
             build_job(b"#PBS -V\ntrue\n", "j", Directives::default(), &c),
             Err(SubmitError::JobTooLarge { .. })
         ));
-    }
-
-    #[test]
-    fn wait_exit_codes_follow_the_shell() {
-        let fin = |outcome| JobState::Finished {
-            outcome,
-            usage: Default::default(),
-        };
-        assert_eq!(wait_exit_code(&fin(Outcome::Exited { code: 3 })), 3);
-        assert_eq!(wait_exit_code(&fin(Outcome::Signaled { signal: 9 })), 137);
-        assert_eq!(wait_exit_code(&fin(Outcome::Walltime)), 1);
-        assert_eq!(wait_exit_code(&JobState::Failed { reason: "x".into() }), 1);
     }
 
     #[test]
