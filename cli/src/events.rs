@@ -10,11 +10,9 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use vq_common::amqp::AmqpError;
+use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{JobEvent, JobState, Message, Outcome};
 use vq_common::topology::{job_event_key, Topology};
 
@@ -112,9 +110,9 @@ pub async fn read_job_events(
     Ok(Some(events))
 }
 
-/// Declares a server-named exclusive queue bound to the pool's job events
-/// and consumes it (auto-ack). Subscribe before publishing a job so that
-/// a fast job's events are not missed.
+/// Subscribes to the pool's job events ([`amqp::subscribe`]: a
+/// server-named exclusive queue, no acks). Subscribe before publishing a job
+/// so that a fast job's events are not missed.
 ///
 /// # Errors
 /// [`CliError::Broker`].
@@ -123,47 +121,16 @@ pub async fn subscribe_job_events(
     topo: &Topology,
     pool: &str,
 ) -> Result<lapin::Consumer, CliError> {
-    let op = |what: &str| {
-        let what = what.to_string();
-        move |source| CliError::Broker {
-            action: "subscribe to job events".into(),
-            source: Box::new(AmqpError::Op { what, source }),
-        }
-    };
-    let ch = conn.create_channel().await.map_err(op("channel.open"))?;
-    let q = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    const ACTION: &str = "subscribe to job events";
+    let ch = conn
+        .create_channel()
         .await
-        .map_err(op("queue.declare"))?;
+        .map_err(AmqpError::op("channel.open"))
+        .map_err(CliError::broker(ACTION))?;
     let key = job_event_key(pool, "*");
-    ch.queue_bind(
-        q.name().clone(),
-        topo.events_exchange().into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .map_err(op("queue.bind"))?;
-    ch.basic_consume(
-        q.name().clone(),
-        "".into(),
-        BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map_err(op("basic.consume"))
+    amqp::subscribe(&ch, "", &topo.events_exchange(), &[key.as_str()], "")
+        .await
+        .map_err(CliError::broker(ACTION))
 }
 
 /// Exit status of `vq submit --wait` for a final job state: the job's exit

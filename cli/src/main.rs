@@ -97,13 +97,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
-            let mut msg = format!("vq: {e}");
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                msg.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            eprintln!("{msg}");
+            eprintln!("vq: {}", vq_common::error::chain(&e));
             ExitCode::from(e.exit_code() as u8)
         }
     }
