@@ -245,8 +245,13 @@ in_root dpkg -i "/tmp/$(basename "$DEB_CLI")" < /dev/null > "$WORK/dpkg.log" 2>&
 check "installed vq $CLI_VERSION alone" \
   test "$(in_root dpkg-query -W -f '${Version} ${Status}' vq)" = "$CLI_VERSION install ok installed"
 check "vq --version names the commit (installed alone)" eval 'in_root vq --version | grep -qx "vq $UPSTREAM (git $commit)"'
-check "vq --help lists submit, stat, cancel, pools, drain" \
-  eval 'h=$(in_root vq --help) && for c in submit stat cancel pools drain; do has "$h" "^  $c "; done'
+# lists_commands: `vq --help` in the root exits 0 and lists every command.
+lists_commands() {
+  local h c
+  h=$(in_root vq --help) || return 1
+  for c in submit stat cancel pools drain; do has "$h" "^  $c " || return 1; done
+}
+check "vq --help lists submit, stat, cancel, pools, drain" lists_commands
 check "vq submit --help shows the qsub options" \
   eval 'h=$(in_root vq submit --help) && has "$h" "^  -N <NAME>" && has "$h" "--wait"'
 set +e
