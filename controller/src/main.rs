@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 use vq_common::config::{load_checked, ControllerConfig, EXIT_CONFIG};
+use vq_common::error::chain;
 use vq_common::ConfigError;
 use vq_controller::openstack::Credentials;
 use vq_controller::reconcile::{run, RunOptions};
@@ -200,18 +201,6 @@ fn load_config(
         Some(c) if problems.is_empty() => Ok((cfg, c)),
         _ => Err(ConfigError::Invalid { origin, problems }),
     }
-}
-
-/// `err` and its causes on one line, `: `-separated.
-fn chain(err: &dyn std::error::Error) -> String {
-    let mut msg = err.to_string();
-    let mut src = err.source();
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
 }
 
 /// First SIGTERM/SIGINT: cancel `shutdown` (finish the current cycle, act no
