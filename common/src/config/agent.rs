@@ -199,21 +199,6 @@ impl Default for AgentConfig {
 }
 
 impl AgentConfig {
-    /// Applies an identity file's values over this config.
-    pub fn apply_identity(&mut self, id: &AgentIdentity) {
-        if let Some(c) = &id.cluster {
-            self.cluster = c.clone();
-        }
-        self.pool = id.pool.clone();
-        self.agent_id = id.agent_id.clone();
-        if let Some(url) = &id.broker_url {
-            self.broker.url = url.clone();
-        }
-        if let Some(n) = id.loss_limit {
-            self.loss_limit = n;
-        }
-    }
-
     /// Lists every problem with the values.
     pub fn validate(&self) -> Result<(), Vec<String>> {
         let mut p = Vec::new();
