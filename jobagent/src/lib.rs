@@ -8,7 +8,7 @@
 //! Modules: [`settings`] (config + identity), [`plan`] (pure validation →
 //! [`plan::LaunchPlan`]), [`sys`] (user database seam), `spawn` (the only
 //! `unsafe`: privilege drop and exec), [`supervise`] (walltime, cancel,
-//! rusage), [`report`] (publishing), [`state`] (claims, pull/delete flags),
+//! rusage), [`report`] (publishing), [`state`] (claims and the agent's [`state::Mode`]),
 //! `session` (broker session and control), `consume` (the lease protocol:
 //! claim, run, release, recover), `heartbeat`.
 
