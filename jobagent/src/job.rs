@@ -48,7 +48,7 @@ use lapin::options::BasicAckOptions;
 use lapin::{Acker, BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
-use vq_common::amqp::{bounded, event_properties, json_properties, AmqpError};
+use vq_common::amqp::{bounded, envelope, event_properties, json_properties, AmqpError};
 use vq_common::lease::{fate, leftover, may_delete_marker, LeaseFate, Leftover, Marker};
 use vq_common::messages::{
     fingerprint, DecodeError, Job, JobEvent, JobState, Message, Outcome, Usage,
@@ -57,11 +57,10 @@ use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 
 use crate::ctx::Ctx;
 use crate::error::{chain, Rejection};
-use crate::lease::{ack_lease, message_key, op, requeue_acker, sync};
+use crate::lease::{ack_lease, requeue_acker, sync};
 use crate::plan::{plan_job_async, LaunchPlan};
 use crate::report::{
-    dead_letter_properties, header_str, header_u32, lease_properties, with_header_str,
-    with_header_u32, DeadLetter, SUBMITTER_HEADER,
+    header_str, header_u32, with_header_str, with_header_u32, DeadLetter, SUBMITTER_HEADER,
 };
 use crate::state::Owned;
 
@@ -80,7 +79,7 @@ async fn ack_confirmed(acker: &Acker, ch: &Channel, queue: &str) -> Result<(), A
                     secs: 0,
                 })
             }
-            Err(e) => return Err(op("ack pool delivery")(e)),
+            Err(e) => return Err(AmqpError::op("ack pool delivery")(e)),
         }
         sync(ch, queue).await
     })
@@ -240,7 +239,7 @@ async fn claim_and_run(
     // 1. The lease copy. It records the claim and the submitter this job
     // was judged by, so that a recovery on this VM judges it the same way.
     let props = with_header_str(
-        lease_properties(&delivery.properties, &key, ticket.submitter.as_deref()),
+        envelope::lease_copy_properties(&delivery.properties, &key, ticket.submitter.as_deref()),
         CLAIM_HEADER,
         &ticket.claim,
     );
@@ -473,8 +472,7 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
     }
     let mut keep = Vec::new();
     for d in held {
-        let key = message_key(&d)
-            .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple()));
+        let key = envelope::delivery_key(Job::decode(&d.data).ok().as_ref(), &d.properties);
         let claim = header_str(&d.properties, CLAIM_HEADER);
         let running = ctx.shared.claim_id(&key);
         if running.is_some() && (claim.is_none() || claim == running) {
@@ -667,13 +665,18 @@ async fn recover_one(
     }
 }
 
+/// Dead-letters one of this agent's lease copies (properties `props`),
+/// once; its submitter is the one the copy records ([`SUBMITTER_HEADER`],
+/// written by this agent when it claimed the job), as in the controller's
+/// fence.
 async fn dead_letter_now_props(
     ctx: &Ctx,
     body: &[u8],
     props: &BasicProperties,
     reason: &str,
 ) -> Result<(), AmqpError> {
-    let props = dead_letter_properties(props, reason, &ctx.agent);
+    let submitter = header_str(props, SUBMITTER_HEADER);
+    let props = envelope::dead_letter_properties(props, reason, &ctx.agent, submitter.as_deref());
     ctx.publisher
         .publish_once(&ctx.topo.dead_exchange(), &ctx.cfg.pool, body, props)
         .await

@@ -10,8 +10,7 @@ use lapin::{Acker, Channel};
 use std::time::Duration;
 use tokio::sync::watch;
 use tracing::{debug, warn};
-use vq_common::amqp::{bounded, AmqpError};
-use vq_common::messages::{Job, Message};
+use vq_common::amqp::{bounded, envelope, AmqpError};
 use vq_common::topology::CLAIM_HEADER;
 
 use crate::error::chain;
@@ -34,22 +33,9 @@ pub(crate) struct Leases {
     lock: tokio::sync::Mutex<()>,
 }
 
-pub(crate) fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
-    move |source| AmqpError::Op {
-        what: what.into(),
-        source,
-    }
-}
-
-/// The job id of a lease or pool message: its `message_id`, else the id in
-/// its body.
+/// The job id of a lease or pool message ([`envelope::job_id_of`]).
 pub(crate) fn message_key(d: &Delivery) -> Option<String> {
-    d.properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.as_str().to_string())
-        .filter(|m| !m.is_empty())
-        .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
+    envelope::job_id_of(&d.properties, &d.data)
 }
 
 impl Leases {
@@ -104,7 +90,7 @@ impl Leases {
                         BasicGetOptions { no_ack: false },
                     )
                     .await
-                    .map_err(op("basic.get lease"))?
+                    .map_err(AmqpError::op("basic.get lease"))?
                 else {
                     break;
                 };
@@ -118,7 +104,7 @@ impl Leases {
                     d.acker
                         .ack(BasicAckOptions::default())
                         .await
-                        .map_err(op("ack lease"))?;
+                        .map_err(AmqpError::op("ack lease"))?;
                     found = true;
                     break;
                 }
@@ -147,7 +133,7 @@ pub(crate) async fn sync(ch: &Channel, queue: &str) -> Result<(), AmqpError> {
         FieldTable::default(),
     )
     .await
-    .map_err(op("passive declare (sync)"))?;
+    .map_err(AmqpError::op("passive declare (sync)"))?;
     Ok(())
 }
 
@@ -193,7 +179,7 @@ impl Leases {
                     BasicGetOptions { no_ack: false },
                 )
                 .await
-                .map_err(op("basic.get lease"))
+                .map_err(AmqpError::op("basic.get lease"))
             })
             .await?;
             match got {
@@ -235,7 +221,7 @@ pub(crate) async fn ack_lease(d: &Delivery) -> Result<(), AmqpError> {
         d.acker
             .ack(BasicAckOptions::default())
             .await
-            .map_err(op("ack lease"))
+            .map_err(AmqpError::op("ack lease"))
     })
     .await?;
     Ok(())
