@@ -22,6 +22,9 @@
 //!    output pipes on fds 1 and 2, mark fds from 3 close-on-exec and make
 //!    the script fd inheritable; then `exec`.
 
+// The parent module allows `unsafe` for its libc calls; none of it here.
+#![forbid(unsafe_code)]
+
 use std::ffi::CString;
 use std::os::fd::RawFd;
 
