@@ -33,9 +33,9 @@ test:
 	@$(MAKE) --no-print-directory packages-check
 	@scripts/purge-test-broker.sh
 
-# Regenerates schemas/*.json from the message types.
+# Regenerates schemas/*.json from the message and config types.
 schemas:
-	VQ_BLESS=1 cargo test -p vq-common --test wire
+	VQ_BLESS=1 cargo test -p vq-common --test wire --test config
 
 # Every release artefact, into target/packages/ (see README, "Packages and images").
 packages:

@@ -1,14 +1,16 @@
 //! `vq-controller`: arguments, configuration, runtime, signals, exit codes.
 //! The logic lives in the library (`vq_controller::run`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
-use vq_common::config::{load, ControllerConfig, EXIT_CONFIG};
+use vq_common::config::{load_checked, ControllerConfig, EXIT_CONFIG};
 use vq_common::error::chain;
+use vq_common::ConfigError;
+use vq_controller::openstack::Credentials;
 use vq_controller::reconcile::{run, RunOptions};
 
 /// Seconds the current cycle may take after the first signal before the
@@ -121,23 +123,10 @@ fn main() -> ExitCode {
         .init();
     let _ = rustls::crypto::ring::default_provider().install_default();
 
-    let cfg: ControllerConfig = match load(&args.config) {
+    let (cfg, creds) = match load_config(&args.config, &|k| std::env::var(k).ok()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("vq-controller: {e}");
-            if let Some(src) = std::error::Error::source(&e) {
-                eprintln!("  caused by: {src}");
-            }
-            return ExitCode::from(EXIT_CONFIG as u8);
-        }
-    };
-    // OpenStack credentials (clouds.yaml / OS_*) are configuration too: a
-    // missing cloud fails at start, with the config's exit code.
-    let env = |k: &str| std::env::var(k).ok();
-    let creds = match vq_controller::openstack::Credentials::discover(&cfg.openstack, &env) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("vq-controller: OpenStack credentials: {}", chain(&e));
+            eprintln!("vq-controller: {}", chain(&e));
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
@@ -176,6 +165,41 @@ fn main() -> ExitCode {
             tracing::error!(error = %chain(&e), "vq-controller failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The configuration round, before anything connects: the config file at
+/// `path` with its `VQ_CONTROLLER__*` overrides (every unknown key, value
+/// of the wrong type and bad value, the broker's TLS files) and the
+/// OpenStack credentials its `[openstack]` section names (clouds.yaml or
+/// `OS_*` read through `env`, password or application credential), all
+/// checked in one go.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] listing every problem; credentials problems
+/// start with `openstack:`. Credentials are not looked for when the keys
+/// that choose them (`openstack.cloud`, `openstack.clouds_yaml`) are
+/// themselves wrong.
+fn load_config(
+    path: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(ControllerConfig, Credentials), ConfigError> {
+    let origin = path.display().to_string();
+    let (cfg, mut problems) = match load_checked::<ControllerConfig>(path) {
+        Ok(c) => (c.config, c.problems),
+        Err(ConfigError::Invalid { problems, .. }) => (ControllerConfig::default(), problems),
+        Err(e) => (ControllerConfig::default(), vec![chain(&e)]),
+    };
+    let mut creds = None;
+    if !problems.iter().any(|p| p.starts_with("openstack.cloud")) {
+        match Credentials::discover(&cfg.openstack, env) {
+            Ok(c) => creds = Some(c),
+            Err(e) => problems.push(format!("openstack: no usable credentials: {}", chain(&e))),
+        }
+    }
+    match creds {
+        Some(c) if problems.is_empty() => Ok((cfg, c)),
+        _ => Err(ConfigError::Invalid { origin, problems }),
     }
 }
 

@@ -1,10 +1,12 @@
 //! Loading the agent's settings: config file, `VQ_*` environment overrides,
 //! the VM identity file, command-line overrides, and the host-name default
-//! for the agent id. Every problem is reported at once (exit 64).
+//! for the agent id. Every problem of all of them is reported at once, in
+//! one round (exit 64): the config's unknown keys, type and value errors,
+//! the identity file's, and an unusable host name.
 
 use std::path::{Path, PathBuf};
 
-use vq_common::config::{env_overrides, load_identity, parse, AgentConfig};
+use vq_common::config::{env_overrides, parse_checked, parse_identity, AgentConfig, Validate};
 use vq_common::topology::valid_name;
 use vq_common::ConfigError;
 
@@ -15,13 +17,16 @@ pub const DEFAULT_CONFIG: &str = "/etc/vq/jobagent.toml";
 pub const DEFAULT_IDENTITY: &str = "/etc/vq/identity.toml";
 
 /// Loads the config at `config`, with `env` (`VQ_*` variables), then the
-/// identity file (pool, agent id, cluster, broker URL), then `state_dir`
-/// layered over it, and fills an empty agent id with the short host name
-/// `hostname`.
+/// identity file (pool, agent id, cluster, broker URL, loss limit), then
+/// `state_dir` layered over it, and fills an empty agent id with the short
+/// host name `hostname`.
 ///
 /// # Errors
-/// [`ConfigError::Read`] for an unreadable file, [`ConfigError::Invalid`]
-/// listing every problem.
+/// [`ConfigError::Invalid`] (origin: the config file) listing every
+/// problem: an unreadable config or identity file, each key of either
+/// that is unknown, of the wrong type or missing (identity problems are
+/// prefixed with the identity file's path), each value problem, and a host
+/// name that cannot be the agent id.
 pub fn load_settings(
     config: &Path,
     identity: Option<&Path>,
@@ -29,34 +34,39 @@ pub fn load_settings(
     env: impl IntoIterator<Item = (String, String)>,
     hostname: &str,
 ) -> Result<AgentConfig, ConfigError> {
-    let text = std::fs::read_to_string(config).map_err(|source| ConfigError::Read {
-        path: config.to_path_buf(),
-        source,
-    })?;
-    let mut overrides = env_overrides(
-        <AgentConfig as vq_common::config::Validate>::ENV_PREFIX,
-        env,
-    );
+    let origin = config.display().to_string();
+    let mut problems = Vec::new();
+    let mut overrides = env_overrides(AgentConfig::ENV_PREFIX, env);
     if let Some(path) = identity {
-        let id = load_identity(path)?;
-        overrides.insert("pool".into(), id.pool.into());
-        overrides.insert("agent_id".into(), id.agent_id.into());
-        if let Some(c) = id.cluster {
-            overrides.insert("cluster".into(), c.into());
-        }
-        if let Some(n) = id.loss_limit {
-            overrides.insert("loss_limit".into(), i64::from(n).into());
-        }
-        if let Some(url) = id.broker_url {
-            let broker = overrides
-                .entry("broker")
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            if !broker.is_table() {
-                *broker = toml::Value::Table(toml::Table::new());
+        let parsed = std::fs::read_to_string(path)
+            .map_err(|e| vec![format!("cannot be read: {e}")])
+            .and_then(|text| parse_identity(&text));
+        match parsed {
+            Ok(id) => {
+                overrides.insert("pool".into(), id.pool.into());
+                overrides.insert("agent_id".into(), id.agent_id.into());
+                if let Some(c) = id.cluster {
+                    overrides.insert("cluster".into(), c.into());
+                }
+                if let Some(n) = id.loss_limit {
+                    overrides.insert("loss_limit".into(), i64::from(n).into());
+                }
+                if let Some(url) = id.broker_url {
+                    let broker = overrides
+                        .entry("broker")
+                        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                    if !broker.is_table() {
+                        *broker = toml::Value::Table(toml::Table::new());
+                    }
+                    if let toml::Value::Table(t) = broker {
+                        t.insert("url".into(), url.into());
+                    }
+                }
             }
-            if let toml::Value::Table(t) = broker {
-                t.insert("url".into(), url.into());
-            }
+            Err(ps) => problems.extend(
+                ps.into_iter()
+                    .map(|p| format!("identity file {}: {p}", path.display())),
+            ),
         }
     }
     if let Some(dir) = state_dir {
@@ -65,20 +75,41 @@ pub fn load_settings(
             dir.to_string_lossy().into_owned().into(),
         );
     }
-    let mut cfg: AgentConfig = parse(&config.display().to_string(), &text, overrides)?;
-    if cfg.agent_id.is_empty() {
-        let short = hostname.split('.').next().unwrap_or_default();
-        if !valid_name(short) {
-            return Err(ConfigError::Invalid {
-                origin: config.display().to_string(),
-                problems: vec![format!(
-                    "agent_id: empty and the host name {hostname:?} is not a valid agent id; set agent_id"
-                )],
-            });
+    let checked = std::fs::read_to_string(config)
+        .map_err(|e| vec![format!("{origin}: cannot be read: {e}")])
+        .and_then(|text| {
+            parse_checked::<AgentConfig>(&origin, &text, overrides).map_err(|e| match e {
+                ConfigError::Invalid { problems, .. } => problems,
+                other => vec![other.to_string()],
+            })
+        });
+    let mut cfg = match checked {
+        Ok(c) => {
+            problems.extend(c.problems);
+            c.config
         }
-        cfg.agent_id = short.to_string();
+        Err(ps) => {
+            problems.extend(ps);
+            return Err(ConfigError::Invalid { origin, problems });
+        }
+    };
+    // An agent_id with a problem of its own is not replaced by the host name.
+    let id_listed = problems.iter().any(|p| p.starts_with("agent_id:"));
+    if cfg.agent_id.is_empty() && !id_listed {
+        let short = hostname.split('.').next().unwrap_or_default();
+        if valid_name(short) {
+            cfg.agent_id = short.to_string();
+        } else {
+            problems.push(format!(
+                "agent_id: empty and the host name {hostname:?} is not a valid agent id; set agent_id"
+            ));
+        }
     }
-    Ok(cfg)
+    if problems.is_empty() {
+        Ok(cfg)
+    } else {
+        Err(ConfigError::Invalid { origin, problems })
+    }
 }
 
 /// The identity file to use: `explicit`, else [`DEFAULT_IDENTITY`] if it
@@ -125,6 +156,44 @@ mod tests {
             ("cms", "vq-cms-1", "amqp://a:b@h/%2f")
         );
         assert_eq!(cfg.slots, 2);
+    }
+
+    /// The config's type and value errors, the identity file's and the
+    /// host name's come out in one run.
+    #[test]
+    fn config_identity_and_host_name_problems_come_out_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg_path = dir.path().join("a.toml");
+        std::fs::write(&cfg_path, "slots = \"four\"\nmin_uid = 0\n").unwrap();
+        let id_path = dir.path().join("id.toml");
+        std::fs::write(&id_path, "pool = 7\nbroker_url = \"amqp://h\"\nzone = 1\n").unwrap();
+        let err =
+            load_settings(&cfg_path, Some(&id_path), None, [], "bad!host.example.org").unwrap_err();
+        let ConfigError::Invalid { problems, .. } = err else {
+            panic!("{err}")
+        };
+        let all = problems.join("\n");
+        let id = id_path.display();
+        for needle in [
+            format!("identity file {id}: pool: expected a string, found the integer 7"),
+            format!("identity file {id}: zone: unknown key"),
+            format!("identity file {id}: agent_id: missing"),
+            "slots: expected an integer, found the string \"four\"".into(),
+            "min_uid: 0 would allow jobs as root".into(),
+            "agent_id: empty and the host name \"bad!host.example.org\"".into(),
+        ] {
+            assert!(all.contains(&needle), "{needle} not in:\n{all}");
+        }
+        // A missing identity file is a problem of the same round.
+        let gone = dir.path().join("gone.toml");
+        let err = load_settings(&cfg_path, Some(&gone), None, [], "h").unwrap_err();
+        let text = err.to_string();
+        for needle in [
+            format!("identity file {}: cannot be read", gone.display()),
+            "slots: expected an integer".into(),
+        ] {
+            assert!(text.contains(&needle), "{needle} not in {text}");
+        }
     }
 
     #[test]

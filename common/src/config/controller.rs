@@ -1,0 +1,307 @@
+//! The controller's configuration (`/etc/vq/controller.toml`): broker,
+//! OpenStack section and pools.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{redact_url, BrokerConfig};
+use crate::topology::{valid_name, DEFAULT_CLUSTER};
+
+/// One pool (VM type) managed by the controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Flavor name or id.
+    pub flavor: String,
+    /// Image name or id (names are resolved through Glance).
+    pub image: String,
+    /// Network id; `None` boots servers with `networks: "none"` (microversion
+    /// ≥ 2.37).
+    pub network: Option<String>,
+    /// Key pair name, if any.
+    pub key_name: Option<String>,
+    /// Security group names.
+    pub security_groups: Vec<String>,
+    /// Availability zone, if any.
+    pub availability_zone: Option<String>,
+    /// File with the user-data template; `None` uses the built-in cloud-init
+    /// template. Placeholders: `{{identity_toml}}`, `{{pool}}`,
+    /// `{{agent_id}}`, `{{cluster}}`, `{{broker_url}}`.
+    pub user_data_template: Option<PathBuf>,
+    /// Broker URL given to this pool's agents (with the agent account's
+    /// credentials).
+    pub agent_broker_url: String,
+    /// VMs kept even without demand.
+    pub min: u32,
+    /// VMs never exceeded.
+    pub max: u32,
+    /// Job slots per VM (the agent's `slots`).
+    pub slots: u32,
+    /// Seconds a server may take from create to its agent's first heartbeat.
+    pub boot_timeout_secs: u64,
+    /// Seconds an agent must be idle before it is asked to go.
+    pub idle_secs: u64,
+    /// Seconds after a scale-down before the next one (and after a failed
+    /// boot before the next boot).
+    pub cooldown_secs: u64,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            flavor: String::new(),
+            image: String::new(),
+            network: None,
+            key_name: None,
+            security_groups: Vec::new(),
+            availability_zone: None,
+            user_data_template: None,
+            agent_broker_url: String::new(),
+            min: 0,
+            max: 10,
+            slots: 1,
+            boot_timeout_secs: 600,
+            idle_secs: 300,
+            cooldown_secs: 30,
+        }
+    }
+}
+
+/// Where the controller gets OpenStack credentials: `clouds.yaml` (the
+/// usual search path or `clouds_yaml`) entry `cloud`, else the `OS_*`
+/// variables, as every OpenStack client does.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct OpenStackSection {
+    /// Cloud name in clouds.yaml (like `OS_CLOUD`); `None` uses `OS_CLOUD`,
+    /// then the `OS_*` variables.
+    pub cloud: Option<String>,
+    /// Explicit clouds.yaml path (like `OS_CLIENT_CONFIG_FILE`).
+    pub clouds_yaml: Option<PathBuf>,
+    /// Compute API microversion to request (`<major>.<minor>`, at least
+    /// [`MIN_COMPUTE_MICROVERSION`]); `None` means 2.52.
+    pub compute_microversion: Option<String>,
+}
+
+/// A compute API microversion, `<major>.<minor>` (e.g. `2.52`). Ordered
+/// numerically: `2.100` is above `2.52`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Microversion {
+    /// Major version (2 for Nova's v2.1 API).
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl Microversion {
+    /// Parses `"<major>.<minor>"` (decimal numbers, nothing else; `latest`
+    /// is not a version). `None` if `s` has another form.
+    pub fn parse(s: &str) -> Option<Microversion> {
+        let (major, minor) = s.trim().split_once('.')?;
+        let num = |p: &str| {
+            (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| p.parse::<u32>().ok())
+                .flatten()
+        };
+        Some(Microversion {
+            major: num(major)?,
+            minor: num(minor)?,
+        })
+    }
+}
+
+impl std::fmt::Display for Microversion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// The lowest compute microversion vq works with, and the one requested
+/// when the config names none: 2.52 is the first that tags a server at
+/// create time. Below it a created server carries no tag, while the list's
+/// tag filter (applied from 2.26) would never show it: the controller would
+/// boot without end.
+pub const MIN_COMPUTE_MICROVERSION: Microversion = Microversion {
+    major: 2,
+    minor: 52,
+};
+
+/// Controller configuration (`/etc/vq/controller.toml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControllerConfig {
+    /// Cluster name (prefix of every AMQP name and of server names).
+    pub cluster: String,
+    /// Broker connection of the controller.
+    pub broker: BrokerConfig,
+    /// OpenStack credentials.
+    pub openstack: OpenStackSection,
+    /// Address of the HTTP status and `/metrics` endpoint.
+    pub listen: String,
+    /// Seconds between reconcile cycles.
+    pub interval_secs: f64,
+    /// Seconds without a heartbeat after which an agent counts as dead
+    /// (judged on the controller's monotonic clock).
+    pub heartbeat_timeout_secs: f64,
+    /// Losses after which a job is dead-lettered instead of returned to its
+    /// pool when its agent is fenced (a poison job that kills its agent or
+    /// VM again and again; counted in the job's `x-vq-losses` header).
+    pub loss_limit: u32,
+    /// Pools by name.
+    pub pools: BTreeMap<String, PoolConfig>,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            cluster: DEFAULT_CLUSTER.into(),
+            broker: BrokerConfig::default(),
+            openstack: OpenStackSection::default(),
+            listen: "127.0.0.1:9180".into(),
+            interval_secs: 10.0,
+            heartbeat_timeout_secs: 60.0,
+            loss_limit: crate::topology::DEFAULT_LOSS_LIMIT,
+            pools: BTreeMap::new(),
+        }
+    }
+}
+
+impl ControllerConfig {
+    /// Lists every problem with the values, including cross-field rules
+    /// (`min <= max`, pool names, required fields).
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut p = Vec::new();
+        if !valid_name(&self.cluster) {
+            p.push(format!(
+                "cluster: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
+                self.cluster
+            ));
+        }
+        self.broker.problems("broker", &mut p);
+        if let Some(mv) = &self.openstack.compute_microversion {
+            match Microversion::parse(mv) {
+                None => p.push(format!(
+                    "openstack.compute_microversion: {mv:?} is not a version like {MIN_COMPUTE_MICROVERSION} (<major>.<minor>)"
+                )),
+                Some(v) if v < MIN_COMPUTE_MICROVERSION => p.push(format!(
+                    "openstack.compute_microversion: compute_microversion {v} is below {MIN_COMPUTE_MICROVERSION}, which vq needs for server tags"
+                )),
+                Some(_) => {}
+            }
+        }
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            p.push(format!(
+                "listen: {:?} is not an address like 127.0.0.1:9180",
+                self.listen
+            ));
+        }
+        if !(self.interval_secs.is_finite() && self.interval_secs >= 0.1) {
+            p.push(format!(
+                "interval_secs: {} must be at least 0.1",
+                self.interval_secs
+            ));
+        }
+        if !(self.heartbeat_timeout_secs.is_finite() && self.heartbeat_timeout_secs >= 1.0) {
+            p.push(format!(
+                "heartbeat_timeout_secs: {} must be at least 1",
+                self.heartbeat_timeout_secs
+            ));
+        }
+        if self.loss_limit == 0 {
+            p.push("loss_limit: must be at least 1".into());
+        }
+        if self.pools.is_empty() {
+            p.push("pools: no pool configured (add a [pools.<name>] table)".into());
+        }
+        for (name, pool) in &self.pools {
+            let k = format!("pools.{name}");
+            if !valid_name(name) {
+                p.push(format!(
+                    "{k}: {name:?} is not a valid pool name (1-64 of a-z A-Z 0-9 _ -)"
+                ));
+            }
+            if pool.flavor.is_empty() {
+                p.push(format!("{k}.flavor: missing"));
+            }
+            if pool.image.is_empty() {
+                p.push(format!("{k}.image: missing"));
+            }
+            if pool.agent_broker_url.is_empty() {
+                p.push(format!(
+                    "{k}.agent_broker_url: missing (the broker URL the pool's agents use)"
+                ));
+            } else if !(pool.agent_broker_url.starts_with("amqp://")
+                || pool.agent_broker_url.starts_with("amqps://"))
+            {
+                p.push(format!(
+                    "{k}.agent_broker_url: {:?} is not an amqp:// or amqps:// URI",
+                    redact_url(&pool.agent_broker_url)
+                ));
+            }
+            if pool.min > pool.max {
+                p.push(format!(
+                    "{k}: min {} is greater than max {}",
+                    pool.min, pool.max
+                ));
+            }
+            if pool.slots == 0 || pool.slots > 1024 {
+                p.push(format!(
+                    "{k}.slots: {} is out of range 1..=1024",
+                    pool.slots
+                ));
+            }
+            if pool.boot_timeout_secs == 0 {
+                p.push(format!("{k}.boot_timeout_secs: must be at least 1"));
+            }
+            if let Some(t) = &pool.user_data_template {
+                if !t.is_file() {
+                    p.push(format!(
+                        "{k}.user_data_template: {} does not exist",
+                        t.display()
+                    ));
+                }
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(p)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::*;
+
+    #[test]
+    fn compute_microversions_below_what_vq_needs_are_refused() {
+        let check = |mv: &str| {
+            let text = format!(
+                "[openstack]\ncompute_microversion = \"{mv}\"\n[pools.cms]\nflavor = \"f\"\nimage = \"i\"\nagent_broker_url = \"amqp://h\"\n"
+            );
+            match parse::<ControllerConfig>("test", &text, toml::Table::new()) {
+                Ok(_) => None,
+                Err(ConfigError::Invalid { problems, .. }) => Some(problems.join("\n")),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let err = check("2.37").expect("2.37 is refused");
+        assert!(
+            err.contains("compute_microversion 2.37 is below 2.52, which vq needs for server tags"),
+            "{err}"
+        );
+        for bad in ["2.51", "2.1", "latest", "2", "two.52", "2.52.1"] {
+            assert!(check(bad).is_some(), "{bad} is accepted");
+        }
+        for good in ["2.52", "2.60", "2.96", "2.100"] {
+            assert_eq!(check(good), None, "{good} is refused");
+        }
+        assert!(Microversion::parse("2.100").unwrap() > Microversion::parse("2.52").unwrap());
+        assert_eq!(MIN_COMPUTE_MICROVERSION.to_string(), "2.52");
+    }
+}
