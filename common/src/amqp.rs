@@ -1,6 +1,8 @@
 //! AMQP glue shared by the controller, the jobagent and the CLI (feature
 //! `amqp`): connect with a timeout and TLS, declare the topology, publish
-//! JSON with a publisher confirm.
+//! JSON with a publisher confirm, subscribe to an exchange; and
+//! ([`envelope`]) the properties of the job copies vq makes (lease copies,
+//! dead letters) and the job id of a delivery.
 //!
 //! Every broker operation here is bounded by a timeout: an await that can
 //! wait forever on a half-dead connection is a bug.
@@ -8,14 +10,16 @@
 use std::time::Duration;
 
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::tcp::{AMQPUriTcpExt, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+pub mod envelope;
 
 pub use crate::amqp_url::{broker_user, parse_url, redact_url, DEFAULT_USER};
 use crate::config::BrokerConfig;
@@ -119,6 +123,16 @@ pub enum AmqpError {
 }
 
 impl AmqpError {
+    /// The `map_err` adapter of a channel-level operation `what` (e.g.
+    /// `"basic.get lease"`): `.map_err(AmqpError::op("basic.get lease"))`
+    /// gives [`AmqpError::Op`] naming it, with lapin's error as the cause.
+    pub fn op<S: Into<String>>(what: S) -> impl FnOnce(lapin::Error) -> AmqpError {
+        move |source| AmqpError::Op {
+            what: what.into(),
+            source,
+        }
+    }
+
     /// Whether retrying later (after reconnecting) may succeed.
     pub fn is_transient(&self) -> bool {
         match self {
@@ -371,16 +385,10 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, AmqpError> {
         let ch = conn
             .create_channel()
             .await
-            .map_err(|source| AmqpError::Op {
-                what: "channel.open".into(),
-                source,
-            })?;
+            .map_err(AmqpError::op("channel.open"))?;
         ch.confirm_select(ConfirmSelectOptions::default())
             .await
-            .map_err(|source| AmqpError::Op {
-                what: "confirm.select".into(),
-                source,
-            })?;
+            .map_err(AmqpError::op("confirm.select"))?;
         Ok(ch)
     })
     .await
@@ -480,6 +488,82 @@ pub async fn declare_bound_queue(
             source,
         })?;
         Ok(())
+    })
+    .await
+}
+
+/// Bound on the whole of [`subscribe`] (declare, bind, consume).
+pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Subscribes to `exchange` with each of `keys`: declares the exclusive,
+/// auto-delete queue `queue` (`""`: a server-named `amq.gen-…` queue),
+/// binds it with every key and consumes it without acks as the only
+/// consumer, tag `consumer_tag` (`""`: server-chosen). The queue lives as
+/// long as the connection: for listeners that must not leave a queue
+/// behind (the controller's agent events, an agent's control queue, the
+/// CLI's and the tests' event taps). The whole sequence is bounded by
+/// [`SUBSCRIBE_TIMEOUT`].
+///
+/// # Errors
+/// [`AmqpError::Declare`] naming the queue or the binding (403 when the
+/// account may not declare or bind it, 405 RESOURCE_LOCKED when another
+/// connection holds the exclusive queue), [`AmqpError::Op`] for the
+/// consume, [`AmqpError::Timeout`].
+pub async fn subscribe(
+    ch: &Channel,
+    queue: &str,
+    exchange: &str,
+    keys: &[&str],
+    consumer_tag: &str,
+) -> Result<lapin::Consumer, AmqpError> {
+    let what = format!("subscribe to {exchange} ({})", keys.join(", "));
+    bounded(&what, SUBSCRIBE_TIMEOUT, async {
+        let declared = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| AmqpError::Declare {
+                name: if queue.is_empty() {
+                    format!("a server-named queue for {exchange}")
+                } else {
+                    queue.into()
+                },
+                source,
+            })?;
+        let name = declared.name().clone();
+        for key in keys {
+            ch.queue_bind(
+                name.clone(),
+                exchange.into(),
+                (*key).into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| AmqpError::Declare {
+                name: format!("binding {exchange} -> {name} ({key})"),
+                source,
+            })?;
+        }
+        ch.basic_consume(
+            name.clone(),
+            consumer_tag.into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::op(format!("consume {name}")))
     })
     .await
 }
@@ -760,6 +844,9 @@ pub async fn publish_confirmed_patiently(
 }
 
 /// Publishes message `msg` as JSON (see [`json_properties`]) with a confirm.
+/// Neither daemon uses it (they need `user_id`, `message_id` or alarm
+/// awareness); it is the one-call publish for Rust bridges and for tests
+/// (`common/tests/topology_broker.rs`, `controller/tests/cli_submit.rs`).
 ///
 /// # Errors
 /// As [`publish_confirmed`].
@@ -842,12 +929,7 @@ pub async fn claim_marker(
     create: bool,
 ) -> Result<crate::lease::Marker, AmqpError> {
     use crate::lease::Marker;
-    const PRECONDITION_FAILED: u16 = 406;
     let queue = topo.claim_queue(job_id);
-    let op = |what: &str, source| AmqpError::Op {
-        what: what.into(),
-        source,
-    };
     if !create {
         let r = bounded("look up claim marker", DECLARE_TIMEOUT, async {
             Ok(ch
@@ -865,7 +947,7 @@ pub async fn claim_marker(
         match r {
             Ok(_) => {}
             Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => return Ok(Marker::Absent),
-            Err(e) => return Err(op("look up claim marker", e)),
+            Err(e) => return Err(AmqpError::op("look up claim marker")(e)),
         }
     }
     let args = field_table(&topo.claim_queue_args(agent, claim));
@@ -885,7 +967,7 @@ pub async fn claim_marker(
     match r {
         Ok(_) => Ok(Marker::Ours),
         Err(e) if lapin_reply_code(&e) == Some(PRECONDITION_FAILED) => Ok(Marker::Theirs),
-        Err(e) => Err(op("declare claim marker", e)),
+        Err(e) => Err(AmqpError::op("declare claim marker")(e)),
     }
 }
 
@@ -894,51 +976,6 @@ pub fn with_header_str(props: BasicProperties, name: &str, value: &str) -> Basic
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(name.into(), AMQPValue::LongString(value.into()));
     props.with_headers(headers)
-}
-
-/// Capped exponential backoff with full jitter, for reconnect loops.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    base: Duration,
-    cap: Duration,
-    attempt: u32,
-}
-
-impl Backoff {
-    /// Backoff from `base` doubling up to `cap`.
-    ///
-    /// # Errors
-    /// A message if `base` is zero or greater than `cap`.
-    pub fn try_new(base: Duration, cap: Duration) -> Result<Self, String> {
-        if base.is_zero() || base > cap {
-            return Err(format!(
-                "backoff base {base:?} must be non-zero and at most cap {cap:?}"
-            ));
-        }
-        Ok(Backoff {
-            base,
-            cap,
-            attempt: 0,
-        })
-    }
-
-    /// Next delay: uniformly random in `[ceiling/2, ceiling]` where ceiling
-    /// is `min(cap, base * 2^attempt)`.
-    pub fn next_delay(&mut self) -> Duration {
-        let ceiling = self
-            .base
-            .saturating_mul(1u32 << self.attempt.min(20))
-            .min(self.cap);
-        self.attempt = self.attempt.saturating_add(1);
-        let half = ceiling / 2;
-        let jitter = rand::random_range(0..=half.as_millis().max(1) as u64);
-        half + Duration::from_millis(jitter)
-    }
-
-    /// Resets after a success.
-    pub fn reset(&mut self) {
-        self.attempt = 0;
-    }
 }
 
 #[cfg(test)]
@@ -955,16 +992,5 @@ mod tests {
             tuned_url("amqp://h/v?frame_max=4096", 5),
             "amqp://h/v?frame_max=4096&heartbeat=5"
         );
-    }
-
-    #[test]
-    fn backoff_stays_under_the_cap_and_resets() {
-        let mut b = Backoff::try_new(Duration::from_millis(100), Duration::from_secs(2)).unwrap();
-        for _ in 0..50 {
-            assert!(b.next_delay() <= Duration::from_secs(2));
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(100));
-        assert!(Backoff::try_new(Duration::ZERO, Duration::from_secs(1)).is_err());
     }
 }

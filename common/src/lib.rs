@@ -7,13 +7,20 @@
 //! * [`config`]: config structs, `VQ_*` overrides and `validate()`;
 //! * [`pbs`]: `#PBS` directive and walltime parsing;
 //! * [`lease`]: lease fate and claim ownership rules both daemons apply;
-//! * `amqp` (feature `amqp`): connect, declare, publish with a confirm.
+//! * [`backoff`]: the one capped, jittered backoff;
+//! * [`error`]: [`ConfigError`] and [`error::chain`], the one renderer of
+//!   an error's cause chain;
+//! * `amqp` (feature `amqp`): connect, declare, publish with a confirm,
+//!   subscribe; `amqp::envelope`: lease-copy and dead-letter properties,
+//!   the job id of a delivery.
 //!
-//! Everything but `amqp` is pure: no I/O beyond reading a named config file.
+//! Everything but `amqp` is pure: no I/O beyond reading a named config file
+//! (and the random jitter of a backoff).
 
 #![forbid(unsafe_code)]
 
 pub mod amqp_url;
+pub mod backoff;
 pub mod config;
 pub mod error;
 pub mod lease;

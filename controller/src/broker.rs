@@ -28,18 +28,20 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, Consumer};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use vq_common::amqp::{self, bounded, header_str, header_u32, with_header_u32, AmqpError};
+use vq_common::amqp::{
+    self, bounded, envelope, header_str, header_u32, with_header_u32, AmqpError,
+};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{
-    Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message, DEAD_BY_HEADER,
-    REASON_HEADER, SUBMITTER_HEADER,
+    Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message, REASON_HEADER,
+    SUBMITTER_HEADER,
 };
 use vq_common::topology::{
     job_event_key, Topology, ALL_AGENT_EVENTS, CLAIM_HEADER, LOSSES_HEADER, POOL_HEADER,
@@ -101,13 +103,6 @@ impl std::fmt::Debug for Broker {
             .field("topology", &self.topo)
             .field("pools", &self.pools)
             .finish_non_exhaustive()
-    }
-}
-
-fn op_err(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
-    move |source| AmqpError::Op {
-        what: what.into(),
-        source,
     }
 }
 
@@ -199,42 +194,14 @@ impl Broker {
         let ch = conn
             .create_channel()
             .await
-            .map_err(op_err("channel.open (events)"))?;
-        let consumer = bounded("subscribe to agent events", OP_TIMEOUT, async {
-            let q = ch
-                .queue_declare(
-                    "".into(),
-                    QueueDeclareOptions {
-                        exclusive: true,
-                        auto_delete: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(op_err("declare the agent-event queue"))?;
-            ch.queue_bind(
-                q.name().clone(),
-                self.topo.events_exchange().into(),
-                ALL_AGENT_EVENTS.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op_err("bind the agent-event queue"))?;
-            ch.basic_consume(
-                q.name().clone(),
-                "vq-controller-events".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op_err("consume agent events"))
-        })
+            .map_err(AmqpError::op("channel.open (events)"))?;
+        let consumer = amqp::subscribe(
+            &ch,
+            "",
+            &self.topo.events_exchange(),
+            &[ALL_AGENT_EVENTS],
+            "vq-controller-events",
+        )
         .await?;
         let shared = self.shared.clone();
         Ok(tokio::spawn(consume_events(consumer, shared, ch)))
@@ -244,7 +211,7 @@ impl Broker {
         let ch = conn
             .create_channel()
             .await
-            .map_err(op_err("channel.open (demand)"))?;
+            .map_err(AmqpError::op("channel.open (demand)"))?;
         let consumer =
             consume_acked(&ch, &self.topo.demand_queue(), "vq-controller-demand", 100).await?;
         let shared = self.shared.clone();
@@ -255,7 +222,7 @@ impl Broker {
         let ch = conn
             .create_channel()
             .await
-            .map_err(op_err("channel.open (dead letters)"))?;
+            .map_err(AmqpError::op("channel.open (dead letters)"))?;
         let publish = amqp::confirm_channel(conn).await?;
         let consumer = consume_acked(
             &ch,
@@ -347,7 +314,7 @@ impl Broker {
                     FieldTable::default(),
                 )
                 .await
-                .map_err(op_err("queue.declare passive"))
+                .map_err(AmqpError::op("queue.declare passive"))
         })
         .await?;
         Ok(u64::from(q.message_count()))
@@ -472,7 +439,7 @@ impl Broker {
             while let Some(m) = ch
                 .basic_get(queue.into(), BasicGetOptions { no_ack: false })
                 .await
-                .map_err(op_err("basic.get (agent ids)"))?
+                .map_err(AmqpError::op("basic.get (agent ids)"))?
             {
                 out.push((
                     String::from_utf8_lossy(&m.delivery.data).into_owned(),
@@ -528,7 +495,7 @@ impl Broker {
             let got = bounded("read a lease", OP_TIMEOUT, async {
                 ch.basic_get(lease.as_str().into(), BasicGetOptions { no_ack: false })
                     .await
-                    .map_err(op_err("basic.get lease"))
+                    .map_err(AmqpError::op("basic.get lease"))
             })
             .await?;
             let Some(m) = got else { break };
@@ -557,7 +524,7 @@ impl Broker {
                     d.acker
                         .ack(BasicAckOptions::default())
                         .await
-                        .map_err(op_err("ack lease"))
+                        .map_err(AmqpError::op("ack lease"))
                 })
                 .await?;
                 continue;
@@ -578,7 +545,7 @@ impl Broker {
                         d.acker
                             .ack(BasicAckOptions::default())
                             .await
-                            .map_err(op_err("ack lease"))
+                            .map_err(AmqpError::op("ack lease"))
                     })
                     .await?;
                     continue;
@@ -586,15 +553,7 @@ impl Broker {
             }
             let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
             let decoded = Job::decode(&d.data);
-            let job_id = match &decoded {
-                Ok(j) => j.id.clone(),
-                Err(_) => d
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|m| m.to_string())
-                    .unwrap_or_default(),
-            };
+            let job_id = envelope::job_id(decoded.as_ref().ok(), &d.properties).unwrap_or_default();
             if let Some(reason) = self.blocked() {
                 // Nothing of this lease is written yet: stop here; the
                 // channel's close returns it and the rest to the queue.
@@ -676,7 +635,7 @@ impl Broker {
                 d.acker
                     .ack(BasicAckOptions::default())
                     .await
-                    .map_err(op_err("ack lease"))
+                    .map_err(AmqpError::op("ack lease"))
             })
             .await?;
         }
@@ -688,7 +647,7 @@ impl Broker {
         bounded("delete the lease queue", OP_TIMEOUT, async {
             ch.queue_delete(lease.as_str().into(), QueueDeleteOptions::default())
                 .await
-                .map_err(op_err("delete lease queue"))
+                .map_err(AmqpError::op("delete lease queue"))
         })
         .await?;
         self.remove_entries(ch, &self.topo.fence_queue(), agent)
@@ -712,7 +671,7 @@ impl Broker {
         bounded("delete a claim marker", OP_TIMEOUT, async {
             ch.queue_delete(marker.as_str().into(), QueueDeleteOptions::default())
                 .await
-                .map_err(op_err("delete claim marker"))
+                .map_err(AmqpError::op("delete claim marker"))
         })
         .await?;
         Ok(())
@@ -732,7 +691,7 @@ impl Broker {
         let mut consumer = bounded("read the job-event stream", OP_TIMEOUT, async {
             ch.basic_qos(500, BasicQosOptions::default())
                 .await
-                .map_err(op_err("basic.qos (stream)"))?;
+                .map_err(AmqpError::op("basic.qos (stream)"))?;
             ch.basic_consume(
                 stream.as_str().into(),
                 "vq-controller-fence".into(),
@@ -740,7 +699,7 @@ impl Broker {
                 args,
             )
             .await
-            .map_err(op_err("consume the job-event stream"))
+            .map_err(AmqpError::op("consume the job-event stream"))
         })
         .await?;
         let mut found = std::collections::BTreeSet::new();
@@ -758,7 +717,7 @@ impl Broker {
                     }
                     let _ = d.acker.ack(BasicAckOptions::default()).await;
                 }
-                Ok(Some(Err(e))) => return Err(op_err("read the job-event stream")(e)),
+                Ok(Some(Err(e))) => return Err(AmqpError::op("read the job-event stream")(e)),
                 Ok(None) | Err(_) => break,
             }
         }
@@ -779,14 +738,14 @@ impl Broker {
             while let Some(m) = ch
                 .basic_get(queue.into(), BasicGetOptions { no_ack: false })
                 .await
-                .map_err(op_err("basic.get (agent ids)"))?
+                .map_err(AmqpError::op("basic.get (agent ids)"))?
             {
                 if m.delivery.data == agent.as_bytes() {
                     m.delivery
                         .acker
                         .ack(BasicAckOptions::default())
                         .await
-                        .map_err(op_err("ack fence entry"))?;
+                        .map_err(AmqpError::op("ack fence entry"))?;
                 } else {
                     others.push(m.delivery.acker);
                 }
@@ -800,7 +759,7 @@ impl Broker {
                     ..Default::default()
                 })
                 .await
-                .map_err(op_err("requeue fence entry"))?;
+                .map_err(AmqpError::op("requeue fence entry"))?;
             }
             Ok(())
         })
@@ -844,38 +803,23 @@ pub struct FenceReport {
 pub use vq_common::lease::{fate as lease_fate, LeaseFate};
 
 fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
-    d.properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.to_string())
-        .filter(|m| !m.is_empty())
-        .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
+    envelope::job_id_of(&d.properties, &d.data)
 }
 
-fn dead_props(orig: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
-    let mut h = orig.headers().clone().unwrap_or_default();
-    h.insert(
-        REASON_HEADER.into(),
-        AMQPValue::LongString(LongString::from(reason)),
+/// The dead letter of a fenced agent's lease copy with properties
+/// `lease`: the common envelope ([`envelope::dead_letter_properties`]),
+/// dead by `vq-controller`, the submitter the agent judged the job by (its
+/// lease copy's [`SUBMITTER_HEADER`], written by the agent, never the
+/// original publisher's), and the loss count.
+fn dead_props(lease: &BasicProperties, reason: &str, losses: u32) -> BasicProperties {
+    let submitter = header_str(lease, SUBMITTER_HEADER);
+    let props = envelope::dead_letter_properties(
+        lease,
+        reason,
+        envelope::CONTROLLER_DEAD_BY,
+        submitter.as_deref(),
     );
-    h.insert(
-        DEAD_BY_HEADER.into(),
-        AMQPValue::LongString(LongString::from("vq-controller")),
-    );
-    h.insert(
-        LOSSES_HEADER.into(),
-        AMQPValue::LongLongInt(i64::from(losses)),
-    );
-    let mut p = BasicProperties::default()
-        .with_headers(h)
-        .with_delivery_mode(2);
-    if let Some(ct) = orig.content_type() {
-        p = p.with_content_type(ct.clone());
-    }
-    if let Some(id) = orig.message_id() {
-        p = p.with_message_id(id.clone());
-    }
-    p
+    with_header_u32(props, LOSSES_HEADER, losses)
 }
 
 /// The `failed` event of a dead letter RabbitMQ made itself: its
@@ -1157,7 +1101,7 @@ async fn consume_acked(
     bounded(&format!("consume {queue}"), OP_TIMEOUT, async {
         ch.basic_qos(prefetch, BasicQosOptions::default())
             .await
-            .map_err(op_err("basic.qos"))?;
+            .map_err(AmqpError::op("basic.qos"))?;
         ch.basic_consume(
             queue.into(),
             tag.into(),
@@ -1165,7 +1109,7 @@ async fn consume_acked(
             FieldTable::default(),
         )
         .await
-        .map_err(op_err("basic.consume"))
+        .map_err(AmqpError::op("basic.consume"))
     })
     .await
 }

@@ -304,7 +304,4 @@ pub enum RunError {
     /// read at start, gives a lower maximum microversion).
     #[error("cannot run against this cloud")]
     Cloud(#[source] CloudError),
-    /// The backoff parameters are invalid.
-    #[error("invalid backoff")]
-    Backoff(#[from] crate::backoff::BackoffError),
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 use vq_common::config::{load, ControllerConfig, EXIT_CONFIG};
+use vq_common::error::chain;
 use vq_controller::reconcile::{run, RunOptions};
 
 /// Seconds the current cycle may take after the first signal before the
@@ -136,14 +137,7 @@ fn main() -> ExitCode {
     let creds = match vq_controller::openstack::Credentials::discover(&cfg.openstack, &env) {
         Ok(c) => c,
         Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(": ");
-                msg.push_str(&s.to_string());
-                src = s.source();
-            }
-            eprintln!("vq-controller: OpenStack credentials: {msg}");
+            eprintln!("vq-controller: OpenStack credentials: {}", chain(&e));
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
@@ -179,14 +173,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(": ");
-                msg.push_str(&s.to_string());
-                src = s.source();
-            }
-            tracing::error!(error = %msg, "vq-controller failed");
+            tracing::error!(error = %chain(&e), "vq-controller failed");
             ExitCode::FAILURE
         }
     }

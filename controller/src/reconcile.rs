@@ -13,11 +13,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use vq_common::amqp::AmqpError;
 use vq_common::config::{ControllerConfig, Microversion};
+use vq_common::error::chain;
 use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
 use crate::act::{act, Messenger, PoolRef};
-use crate::backoff::{Backoff, PoolBackoff};
+use crate::backoff::{PoolBackoff, POOL_BACKOFF};
 use crate::broker::{Broker, EventSnapshot, FenceReport};
 use crate::error::{CloudError, ObserveError, RunError};
 use crate::http::{AppState, Metrics};
@@ -26,10 +27,6 @@ use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Action, Class, Timing};
 use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
 
-/// First delay after a failed cycle.
-pub const BACKOFF_BASE: Duration = Duration::from_secs(2);
-/// Largest delay after failed cycles.
-pub const BACKOFF_CAP: Duration = Duration::from_secs(300);
 /// How long a cycle may go on after a shutdown request, seconds.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -147,17 +144,12 @@ pub struct Controller<C, B> {
 
 impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     /// A controller for `cfg` using `cloud` and `broker`.
-    ///
-    /// # Errors
-    /// [`RunError::Backoff`] if the backoff constants are invalid.
-    pub fn new(cfg: ControllerConfig, cloud: C, broker: B) -> Result<Self, RunError> {
-        let mut backoff = BTreeMap::new();
-        for pool in cfg.pools.keys() {
-            backoff.insert(
-                pool.clone(),
-                PoolBackoff::new(Backoff::try_new(BACKOFF_BASE, BACKOFF_CAP)?),
-            );
-        }
+    pub fn new(cfg: ControllerConfig, cloud: C, broker: B) -> Self {
+        let backoff = cfg
+            .pools
+            .keys()
+            .map(|pool| (pool.clone(), PoolBackoff::new(POOL_BACKOFF)))
+            .collect();
         let status = StatusReport {
             cluster: cfg.cluster.clone(),
             pools: cfg
@@ -167,7 +159,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 .collect(),
             ..Default::default()
         };
-        Ok(Controller {
+        Controller {
             cfg,
             cloud,
             broker,
@@ -180,7 +172,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
-        })
+        }
     }
 
     /// The cloud client.
@@ -197,18 +189,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         &mut self,
         pool: &str,
         now: Instant,
-        err: &dyn std::error::Error,
+        err: &(dyn std::error::Error + 'static),
         retry_after: Option<Duration>,
     ) {
         let b = self.backoff.get_mut(pool).expect("pool has a backoff");
         let delay = b.failed(now, retry_after);
-        let mut chain = err.to_string();
-        let mut src = err.source();
-        while let Some(s) = src {
-            chain.push_str(": ");
-            chain.push_str(&s.to_string());
-            src = s.source();
-        }
+        // The whole cause chain, in the log and on the status page.
+        let chain = chain(err);
         tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
         let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
         if let Some(ps) = st.pools.get_mut(pool) {
@@ -481,13 +468,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     if !e.is_transient() {
                         tracing::error!(pool = %pool, error = %e, "permanent error; check the pool's configuration and the cloud");
                     }
-                    let e = format!(
-                        "{e}: {}",
-                        std::error::Error::source(e)
-                            .map(|s| s.to_string())
-                            .unwrap_or_default()
-                    );
-                    self.fail_pool(&pool, now, &StrError(e), ra);
+                    self.fail_pool(&pool, now, e, ra);
                     summary.failed.push(pool);
                 }
                 None => {
@@ -706,17 +687,6 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     }
 }
 
-#[derive(Debug)]
-struct StrError(String);
-
-impl std::fmt::Display for StrError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for StrError {}
-
 /// Options of [`run`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RunOptions {
@@ -766,7 +736,7 @@ pub async fn run(
     );
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
-    let mut ctl = Controller::new(cfg, cloud, broker)?;
+    let mut ctl = Controller::new(cfg, cloud, broker);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|source| RunError::Listen {

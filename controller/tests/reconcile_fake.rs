@@ -144,7 +144,7 @@ fn broker_with_depth(depth: u64) -> FakeBroker {
 
 #[tokio::test]
 async fn rerunning_a_cycle_creates_no_duplicates() {
-    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3)).unwrap();
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3));
     let stop = CancellationToken::new();
     let s1 = ctl.cycle(&stop).await;
     assert_eq!(s1.created, 3);
@@ -171,7 +171,7 @@ async fn rerunning_a_cycle_creates_no_duplicates() {
 async fn a_transient_create_failure_backs_the_pool_off() {
     let cloud = FakeCloud::default();
     *cloud.fail_creates.lock().unwrap() = 1;
-    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(2)).unwrap();
+    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(2));
     let stop = CancellationToken::new();
     let s = ctl.cycle(&stop).await;
     assert_eq!(s.failed, vec!["cms".to_string()]);
@@ -191,19 +191,19 @@ async fn quota_and_max_bound_the_boots() {
         max_instances: Some(2),
         ..FakeCloud::default()
     };
-    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(50)).unwrap();
+    let mut ctl = Controller::new(config(10), cloud, broker_with_depth(50));
     let stop = CancellationToken::new();
     assert_eq!(ctl.cycle(&stop).await.created, 2);
     assert_eq!(ctl.cycle(&stop).await.created, 0);
 
-    let mut ctl = Controller::new(config(4), FakeCloud::default(), broker_with_depth(50)).unwrap();
+    let mut ctl = Controller::new(config(4), FakeCloud::default(), broker_with_depth(50));
     assert_eq!(ctl.cycle(&stop).await.created, 4);
     assert_eq!(ctl.cycle(&stop).await.created, 0);
 }
 
 #[tokio::test]
 async fn after_shutdown_nothing_is_acted_on() {
-    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3)).unwrap();
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), broker_with_depth(3));
     let stop = CancellationToken::new();
     stop.cancel();
     let s = ctl.cycle(&stop).await;
@@ -215,7 +215,7 @@ async fn after_shutdown_nothing_is_acted_on() {
 async fn a_broker_alarm_holds_every_pool_without_backoff() {
     let b = broker_with_depth(3);
     *b.blocked.lock().unwrap() = Some("memory".into());
-    let mut ctl = Controller::new(config(10), FakeCloud::default(), b).unwrap();
+    let mut ctl = Controller::new(config(10), FakeCloud::default(), b);
     let stop = CancellationToken::new();
     for _ in 0..3 {
         let s = ctl.cycle(&stop).await;
@@ -255,7 +255,7 @@ async fn the_registry_fences_only_unheard_agents_of_its_own_pools_without_a_serv
         )],
         fault: None,
     });
-    let mut ctl = Controller::new(config(0), cloud, b).unwrap();
+    let mut ctl = Controller::new(config(0), cloud, b);
     let stop = CancellationToken::new();
     // Not in the first heartbeat timeout after the controller starts.
     ctl.cycle(&stop).await;

@@ -32,13 +32,6 @@ pub(crate) struct Markers {
     channel: tokio::sync::Mutex<Option<Channel>>,
 }
 
-fn op(what: &'static str) -> impl FnOnce(lapin::Error) -> AmqpError {
-    move |source| AmqpError::Op {
-        what: what.into(),
-        source,
-    }
-}
-
 impl Markers {
     /// Markers of `agent`, operated on the consuming connection published
     /// on `conn` by the session loop (`None` while disconnected).
@@ -70,7 +63,9 @@ impl Markers {
                 secs: 0,
             })?;
         let ch = bounded("open claim marker channel", OP_TIMEOUT, async {
-            conn.create_channel().await.map_err(op("channel.open"))
+            conn.create_channel()
+                .await
+                .map_err(AmqpError::op("channel.open"))
         })
         .await?;
         *cached = Some(ch.clone());
@@ -125,7 +120,7 @@ impl Markers {
         bounded("delete claim marker", OP_TIMEOUT, async {
             ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                 .await
-                .map_err(op("delete claim marker"))
+                .map_err(AmqpError::op("delete claim marker"))
         })
         .await?;
         Ok(())

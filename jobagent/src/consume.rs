@@ -50,7 +50,7 @@ use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
-use vq_common::amqp::{bounded, event_properties, json_properties, AmqpError};
+use vq_common::amqp::{bounded, envelope, event_properties, json_properties, AmqpError};
 use vq_common::lease::{fate, leftover, may_delete_marker, LeaseFate, Leftover, Marker};
 use vq_common::messages::{
     fingerprint, DecodeError, Job, JobEvent, JobState, Message, Outcome, Usage,
@@ -59,10 +59,7 @@ use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 
 use crate::error::{chain, Rejection};
 use crate::plan::{plan_job_async, LaunchPlan};
-use crate::report::{
-    dead_letter_properties, header_str, header_u32, lease_properties, with_header_str,
-    with_header_u32, SUBMITTER_HEADER,
-};
+use crate::report::{header_str, header_u32, with_header_str, with_header_u32, SUBMITTER_HEADER};
 use crate::state::Owned;
 use crate::Ctx;
 
@@ -86,22 +83,9 @@ pub(crate) struct Leases {
     lock: tokio::sync::Mutex<()>,
 }
 
-fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
-    move |source| AmqpError::Op {
-        what: what.into(),
-        source,
-    }
-}
-
-/// The job id of a lease or pool message: its `message_id`, else the id in
-/// its body.
+/// The job id of a lease or pool message ([`envelope::job_id_of`]).
 fn message_key(d: &Delivery) -> Option<String> {
-    d.properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.as_str().to_string())
-        .filter(|m| !m.is_empty())
-        .or_else(|| Job::decode(&d.data).ok().map(|j| j.id))
+    envelope::job_id_of(&d.properties, &d.data)
 }
 
 impl Leases {
@@ -155,7 +139,7 @@ impl Leases {
                         BasicGetOptions { no_ack: false },
                     )
                     .await
-                    .map_err(op("basic.get lease"))?
+                    .map_err(AmqpError::op("basic.get lease"))?
                 else {
                     break;
                 };
@@ -169,7 +153,7 @@ impl Leases {
                     d.acker
                         .ack(BasicAckOptions::default())
                         .await
-                        .map_err(op("ack lease"))?;
+                        .map_err(AmqpError::op("ack lease"))?;
                     found = true;
                     break;
                 }
@@ -198,7 +182,7 @@ async fn sync(ch: &Channel, queue: &str) -> Result<(), AmqpError> {
         FieldTable::default(),
     )
     .await
-    .map_err(op("passive declare (sync)"))?;
+    .map_err(AmqpError::op("passive declare (sync)"))?;
     Ok(())
 }
 
@@ -228,7 +212,7 @@ async fn ack_confirmed(acker: &Acker, ch: &Channel, queue: &str) -> Result<(), A
                     secs: 0,
                 })
             }
-            Err(e) => return Err(op("ack pool delivery")(e)),
+            Err(e) => return Err(AmqpError::op("ack pool delivery")(e)),
         }
         sync(ch, queue).await
     })
@@ -349,7 +333,7 @@ async fn claim_and_run(
     // 1. The lease copy. It records the claim and the submitter this job
     // was judged by, so that a recovery on this VM judges it the same way.
     let props = with_header_str(
-        lease_properties(&delivery.properties, &key, ticket.submitter.as_deref()),
+        envelope::lease_copy_properties(&delivery.properties, &key, ticket.submitter.as_deref()),
         CLAIM_HEADER,
         &ticket.claim,
     );
@@ -477,8 +461,12 @@ pub(crate) async fn refuse(
     ctx.outbox.remove(key);
 }
 
+/// Dead-letters a pool delivery with properties `props`; its submitter is
+/// the broker-validated `user_id` (a forged [`SUBMITTER_HEADER`] is
+/// dropped, see [`envelope`]).
 async fn dead_letter(ctx: &Ctx, body: &[u8], props: &BasicProperties, reason: &str) {
-    let props = dead_letter_properties(props, reason, &ctx.agent);
+    let submitter = props.user_id().as_ref().map(|u| u.as_str().to_string());
+    let props = envelope::dead_letter_properties(props, reason, &ctx.agent, submitter.as_deref());
     ctx.publisher
         .publish_reliably(&ctx.topo.dead_exchange(), &ctx.cfg.pool, body, props)
         .await;
@@ -627,7 +615,7 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
         let got = bounded("scan lease queue", LEASE_OP_TIMEOUT, async {
             ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
                 .await
-                .map_err(op("basic.get lease"))
+                .map_err(AmqpError::op("basic.get lease"))
         })
         .await?;
         match got {
@@ -640,8 +628,7 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
     }
     let mut keep = Vec::new();
     for d in held {
-        let key = message_key(&d)
-            .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple()));
+        let key = envelope::delivery_key(Job::decode(&d.data).ok().as_ref(), &d.properties);
         let claim = header_str(&d.properties, CLAIM_HEADER);
         let running = ctx.shared.claim_id(&key);
         if running.is_some() && (claim.is_none() || claim == running) {
@@ -690,7 +677,7 @@ async fn ack_lease(d: &Delivery) -> Result<(), AmqpError> {
         d.acker
             .ack(BasicAckOptions::default())
             .await
-            .map_err(op("ack lease"))
+            .map_err(AmqpError::op("ack lease"))
     })
     .await?;
     Ok(())
@@ -848,13 +835,18 @@ async fn recover_one(
     }
 }
 
+/// Dead-letters one of this agent's lease copies (properties `props`),
+/// once; its submitter is the one the copy records ([`SUBMITTER_HEADER`],
+/// written by this agent when it claimed the job), as in the controller's
+/// fence.
 async fn dead_letter_now_props(
     ctx: &Ctx,
     body: &[u8],
     props: &BasicProperties,
     reason: &str,
 ) -> Result<(), AmqpError> {
-    let props = dead_letter_properties(props, reason, &ctx.agent);
+    let submitter = header_str(props, SUBMITTER_HEADER);
+    let props = envelope::dead_letter_properties(props, reason, &ctx.agent, submitter.as_deref());
     ctx.publisher
         .publish_once(&ctx.topo.dead_exchange(), &ctx.cfg.pool, body, props)
         .await

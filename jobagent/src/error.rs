@@ -275,14 +275,5 @@ pub enum AgentError {
 }
 
 /// Renders an error with its whole `source` chain on one line, for event
-/// reasons and logs.
-pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut cur = err.source();
-    while let Some(e) = cur {
-        out.push_str(": ");
-        out.push_str(&e.to_string());
-        cur = e.source();
-    }
-    out
-}
+/// reasons and logs (the one renderer, shared with the controller).
+pub use vq_common::error::chain;

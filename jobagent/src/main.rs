@@ -9,6 +9,7 @@ use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, warn};
 use vq_common::config::EXIT_CONFIG;
+use vq_common::error::chain;
 use vq_jobagent::settings::{identity_path, load_settings, DEFAULT_CONFIG};
 use vq_jobagent::{run, Ended, Shutdown, EXIT_NOPERM};
 
@@ -91,14 +92,7 @@ fn main() -> ExitCode {
     ) {
         Ok(cfg) => cfg,
         Err(e) => {
-            eprintln!(
-                "jobagent: {}",
-                anyhow::Error::from(e)
-                    .chain()
-                    .map(|c| c.to_string())
-                    .collect::<Vec<_>>()
-                    .join(": ")
-            );
+            eprintln!("jobagent: {}", chain(&e));
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };

@@ -30,8 +30,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
@@ -40,8 +39,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use vq_common::amqp::{
     bounded, confirm_channel, connect, declare_bound_queue, declare_exchanges, declare_lease_queue,
-    declare_pool_queue, AmqpError, Backoff,
+    declare_pool_queue, envelope, subscribe, AmqpError,
 };
+use vq_common::backoff::Backoff;
 use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
 use vq_common::topology::agent_event_key;
 
@@ -56,12 +56,10 @@ const OP_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often the session checks its connection and free slots.
 const TICK: Duration = Duration::from_secs(1);
 
-fn op(what: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
-    move |source| AmqpError::Op {
-        what: what.into(),
-        source,
-    }
-}
+/// The reconnect backoff between broker sessions: from 0.5 s doubling up
+/// to 30 s.
+const RECONNECT: Backoff =
+    Backoff::new_unchecked(Duration::from_millis(500), Duration::from_secs(30));
 
 /// Where a session announces its channels and state to the rest of the
 /// agent.
@@ -92,13 +90,7 @@ impl Links {
 
 /// Keeps a broker session up until `stop`, announcing it on `links`.
 pub(crate) async fn connection_loop(ctx: Arc<Ctx>, links: Links, stop: CancellationToken) {
-    let mut backoff = match Backoff::try_new(Duration::from_millis(500), Duration::from_secs(30)) {
-        Ok(b) => b,
-        Err(e) => {
-            warn!(error = %e, "bad reconnect backoff");
-            return;
-        }
-    };
+    let mut backoff = RECONNECT;
     loop {
         if stop.is_cancelled() {
             break;
@@ -194,56 +186,32 @@ async fn run_session(
     }
     declare_lease_queue(&pub_ch, topo, &ctx.agent).await?;
     let lease_ch = bounded("open lease channel", OP_TIMEOUT, async {
-        conn.create_channel().await.map_err(op("channel.open"))
+        conn.create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open"))
     })
     .await?;
 
     let ctl_ch = bounded("open control channel", OP_TIMEOUT, async {
-        conn.create_channel().await.map_err(op("channel.open"))
+        conn.create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open"))
     })
     .await?;
     let ctl_queue = topo.control_queue(&ctx.agent);
-    let mut control = bounded("declare control queue", OP_TIMEOUT, async {
-        ctl_ch
-            .queue_declare(
-                ctl_queue.as_str().into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op("declare control queue"))?;
-        ctl_ch
-            .queue_bind(
-                ctl_queue.as_str().into(),
-                topo.control_exchange().as_str().into(),
-                ctx.agent.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op("bind control queue"))?;
-        ctl_ch
-            .basic_consume(
-                ctl_queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(op("consume control queue"))
-    })
+    let mut control = subscribe(
+        &ctl_ch,
+        &ctl_queue,
+        &topo.control_exchange(),
+        &[ctx.agent.as_str()],
+        "",
+    )
     .await?;
 
     let jobs_ch = bounded("open jobs channel", OP_TIMEOUT, async {
-        conn.create_channel().await.map_err(op("channel.open"))
+        conn.create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open"))
     })
     .await?;
 
@@ -332,7 +300,7 @@ async fn run_session(
                     }
                     stopped?;
                 }
-                Some(Err(e)) => return Err(op("consume pool queue")(e).into()),
+                Some(Err(e)) => return Err(AmqpError::op("consume pool queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "pool queue consumer" }),
             },
             c = control.next() => match c {
@@ -340,7 +308,7 @@ async fn run_session(
                     let sender = msg.properties.user_id().as_ref().map(|u| u.as_str().to_string());
                     on_control(ctx, &jobs_ch, &mut consumer, &msg.data, sender.as_deref()).await?
                 }
-                Some(Err(e)) => return Err(op("consume control queue")(e).into()),
+                Some(Err(e)) => return Err(AmqpError::op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
             },
             changed = blocked_rx.changed() => {
@@ -405,7 +373,9 @@ async fn register(ctx: &Ctx, ch: &Channel) -> Result<(), AgentError> {
 /// missing queue closes it with 404).
 async fn lease_queue_exists(conn: &Connection, queue: &str) -> Result<bool, AgentError> {
     let ch = bounded("open probe channel", OP_TIMEOUT, async {
-        conn.create_channel().await.map_err(op("channel.open"))
+        conn.create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open"))
     })
     .await?;
     let r = bounded("probe lease queue", OP_TIMEOUT, async {
@@ -429,7 +399,7 @@ async fn lease_queue_exists(conn: &Connection, queue: &str) -> Result<bool, Agen
         Err(e) if vq_common::amqp::lapin_reply_code(&e) == Some(vq_common::amqp::NOT_FOUND) => {
             Ok(false)
         }
-        Err(e) => Err(op("probe lease queue")(e).into()),
+        Err(e) => Err(AmqpError::op("probe lease queue")(e).into()),
     }
 }
 
@@ -488,7 +458,7 @@ async fn start_consumer(ctx: &Ctx, ch: &Channel, free: usize) -> Result<Consumer
     let consumer = bounded("start pool consumer", OP_TIMEOUT, async {
         ch.basic_qos(prefetch, BasicQosOptions::default())
             .await
-            .map_err(op("basic.qos"))?;
+            .map_err(AmqpError::op("basic.qos"))?;
         ch.basic_consume(
             queue.as_str().into(),
             format!("{}-{}", ctx.agent, uuid::Uuid::new_v4().simple()).into(),
@@ -496,7 +466,7 @@ async fn start_consumer(ctx: &Ctx, ch: &Channel, free: usize) -> Result<Consumer
             FieldTable::default(),
         )
         .await
-        .map_err(op("consume pool queue"))
+        .map_err(AmqpError::op("consume pool queue"))
     })
     .await?;
     info!(pool = %ctx.cfg.pool, queue = %queue, prefetch, "pulling jobs");
@@ -509,7 +479,7 @@ async fn stop_consumer(ctx: &Ctx, ch: &Channel, mut consumer: Consumer) -> Resul
     bounded("cancel pool consumer", OP_TIMEOUT, async {
         ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
             .await
-            .map_err(op("basic.cancel"))
+            .map_err(AmqpError::op("basic.cancel"))
     })
     .await?;
     // After cancel-ok the stream yields what was buffered, then ends.
@@ -546,16 +516,7 @@ async fn dispatch(
     jobs_ch: &Channel,
 ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
     let decoded = Job::decode(&delivery.data);
-    let key = match &decoded {
-        Ok(job) => job.id.clone(),
-        Err(_) => delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|m| m.as_str().to_string())
-            .filter(|m| !m.is_empty())
-            .unwrap_or_else(|| format!("undecodable-{}", uuid::Uuid::new_v4().simple())),
-    };
+    let key = envelope::delivery_key(decoded.as_ref().ok(), &delivery.properties);
     match ctx.shared.claim(&key) {
         Claim::New { cancel, claim } => Some(Box::pin(handle_delivery(
             ctx.clone(),
