@@ -1163,6 +1163,45 @@ pub fn start_agent_wrapped(
     })
 }
 
+/// One agent on a fresh test cluster of the shared broker, for tests of
+/// what an agent does with jobs ([`one_agent`]).
+pub struct OneAgent {
+    /// The cluster's broker connections.
+    pub broker: TestBroker,
+    /// Events, tapped before the agent started.
+    pub tap: EventTap,
+    /// The agent, `<cluster>-a1`, up (it has heartbeated).
+    pub agent: AgentProcess,
+    /// The Unix user `vqt-alice` (uid 2001), to own jobs.
+    pub alice: TestUser,
+}
+
+/// Declares a fresh cluster with `pool`, taps its events and starts an
+/// agent on it with `extra_toml` and `env` ([`start_agent`]), and waits
+/// for its first heartbeat. Root (creates `vqt-alice`).
+///
+/// # Errors
+/// If a step fails.
+pub async fn one_agent(
+    pool: &str,
+    extra_toml: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<OneAgent> {
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-a1");
+    let agent = start_agent(&cluster, pool, &agent_id, extra_toml, env)?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+    Ok(OneAgent {
+        broker,
+        tap,
+        agent,
+        alice,
+    })
+}
+
 /// Waits until `agent` heartbeats on `tap` (it is connected and consuming).
 ///
 /// # Errors

@@ -10,35 +10,13 @@ use std::time::Duration;
 
 use vq_common::messages::{Control, Join, Message};
 use vq_tests::accounts;
-use vq_tests::harness::{
-    ensure_test_user, job, require_root, start_agent, unique_cluster, wait_agent_up, AgentProcess,
-    EventTap, TestBroker, TestUser,
-};
+use vq_tests::harness::{ensure_test_user, job, one_agent, require_root, OneAgent};
 
 const POOL: &str = "batch";
 const EVENT_WAIT: Duration = Duration::from_secs(30);
 
-struct Setup {
-    broker: TestBroker,
-    tap: EventTap,
-    agent: AgentProcess,
-    alice: TestUser,
-}
-
-async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<Setup> {
-    let alice = ensure_test_user("vqt-alice", 2001)?;
-    let cluster = unique_cluster();
-    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
-    let mut tap = broker.tap_events().await?;
-    let agent_id = format!("{cluster}-a1");
-    let agent = start_agent(&cluster, POOL, &agent_id, top_level, env)?;
-    wait_agent_up(&mut tap, &agent_id).await?;
-    Ok(Setup {
-        broker,
-        tap,
-        agent,
-        alice,
-    })
+async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<OneAgent> {
+    one_agent(POOL, top_level, env).await
 }
 
 fn read(path: &std::path::Path) -> String {

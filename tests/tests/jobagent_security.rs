@@ -20,41 +20,15 @@ use anyhow::{bail, Context};
 use vq_common::messages::Join;
 use vq_common::topology::Role;
 use vq_tests::harness::{
-    broker_url, ensure_group, ensure_test_user, job, require_root, start_agent, start_agent_in,
-    start_agent_wrapped, unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap,
-    TestBroker, TestUser,
+    broker_url, ensure_group, ensure_test_user, job, one_agent, require_root, start_agent_in,
+    start_agent_wrapped, unique_cluster, wait_agent_up, ChildGuard, EventTap, OneAgent, TestBroker,
 };
 
 const POOL: &str = "sec";
 const EVENT_WAIT: Duration = Duration::from_secs(30);
 
-struct Setup {
-    broker: TestBroker,
-    tap: EventTap,
-    agent: AgentProcess,
-    alice: TestUser,
-}
-
-async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<Setup> {
-    let alice = ensure_test_user("vqt-alice", 2001)?;
-    let cluster = unique_cluster();
-    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
-    let mut tap = broker.tap_events().await?;
-    let agent_id = format!("{cluster}-s1");
-    let agent = start_agent(
-        &cluster,
-        POOL,
-        &agent_id,
-        &format!("kill_grace_secs = 1\n{top_level}"),
-        env,
-    )?;
-    wait_agent_up(&mut tap, &agent_id).await?;
-    Ok(Setup {
-        broker,
-        tap,
-        agent,
-        alice,
-    })
+async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<OneAgent> {
+    one_agent(POOL, &format!("kill_grace_secs = 1\n{top_level}"), env).await
 }
 
 fn read(path: &Path) -> String {
