@@ -181,14 +181,22 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     wait_conn_state(&node, &consume_name, "running").await?;
     wait_conn_state(&node, &publish_name, "running").await?;
 
+    // The held jobs end when the test releases them (creates their file),
+    // once the alarm is known to block the agent: a `sleep` would race the
+    // `rabbitmqctl` calls that raise and check the alarm, which take
+    // seconds on a loaded machine.
+    let release = |name: &str| alice.home.join(format!("{cluster}-{name}.release"));
+    let wait_for =
+        |file: &std::path::Path| format!("while [ ! -e {} ]; do sleep 0.1; done\n", file.display());
     let mut jobs = Vec::new();
     let mut raised_after = Vec::new();
     for trial in 0..trials() {
+        let held = release(&format!("held{trial}"));
         let running = job(
             POOL,
             &alice.name,
             &format!("held{trial}"),
-            "sleep 3\necho held-done\n",
+            &format!("{}echo held-done\n", wait_for(&held)),
         );
         let next = job(POOL, &alice.name, &format!("next{trial}"), "echo next\n");
         writer.publish_job(&running).await?;
@@ -196,7 +204,6 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
             s.count(&running.id, "started") > 0
         })
         .await?;
-        let started = Instant::now();
         // Queued behind it (slots = 1); published before the alarm so that
         // it is surely in the queue.
         writer.publish_job(&next).await?;
@@ -222,8 +229,8 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         );
 
         // The job ends during the alarm; its result waits.
-        let ends = started + Duration::from_secs(3);
-        tokio::time::sleep_until((ends + Duration::from_secs(2)).into()).await;
+        std::fs::write(&held, "")?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
         seen.poll(&reader).await?;
         ensure!(
             seen.finals(&running.id).is_empty(),
@@ -269,13 +276,18 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     // answer wait for the alarm to end. (Nobody can publish a control
     // message during an alarm: RabbitMQ 3.10 does not read even the first
     // publish of a fresh connection then.)
-    let last = job(POOL, &alice.name, "drained-job", "sleep 3\necho last\n");
+    let last_file = release("drained-job");
+    let last = job(
+        POOL,
+        &alice.name,
+        "drained-job",
+        &format!("{}echo last\n", wait_for(&last_file)),
+    );
     writer.publish_job(&last).await?;
     seen.wait(&reader, "last job started", Duration::from_secs(30), |s| {
         s.count(&last.id, "started") > 0
     })
     .await?;
-    let started = Instant::now();
     writer
         .publish_control(
             &agent_id,
@@ -296,7 +308,8 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     }
     raise_alarm(&node)?;
     wait_conn_state(&node, &publish_name, "blocked").await?;
-    tokio::time::sleep_until((started + Duration::from_secs(5)).into()).await;
+    std::fs::write(&last_file, "")?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     seen.poll(&reader).await?;
     ensure!(
         seen.finals(&last.id).is_empty() && seen.keys(".drained") == 0,
@@ -338,6 +351,7 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         for ext in ["o", "e"] {
             let _ = std::fs::remove_file(alice.home.join(format!("{}.{ext}{}", j.name, j.seq())));
         }
+        let _ = std::fs::remove_file(release(&j.name));
     }
     let agent_log = std::fs::read_to_string(&log).unwrap_or_default();
     ensure!(
