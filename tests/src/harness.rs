@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -18,7 +19,9 @@ use lapin::{Channel, Connection, Consumer};
 use vq_common::amqp::{confirm_channel, declare_topology, json_properties, publish_confirmed};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Job, Message};
-use vq_common::topology::{Topology, ALL_AGENT_EVENTS, ALL_JOB_EVENTS};
+use vq_common::topology::{Role, Topology, ALL_AGENT_EVENTS, ALL_JOB_EVENTS};
+
+use crate::accounts::{self, BrokerAt};
 
 /// Whether the test process runs as root.
 pub fn is_root() -> bool {
@@ -171,11 +174,54 @@ pub fn unique_cluster() -> String {
     format!("t{:010x}", rand::random::<u64>() & 0xff_ffff_ffff)
 }
 
-/// Broker URL for tests: `VQ_TEST_BROKER_URL`, default
-/// `amqp://guest:guest@127.0.0.1:5672/%2f`.
-pub fn broker_url() -> String {
-    std::env::var("VQ_TEST_BROKER_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+/// The machine's shared broker, `VQ_TEST_BROKER_URL` (its address; a user
+/// in it is ignored), default `amqp://127.0.0.1:5672/%2f`, with the suite's
+/// accounts ([`accounts::suite`]) created on it by `rabbitmqctl
+/// import_definitions` on the first call in this test process (root).
+///
+/// # Errors
+/// If the accounts cannot be created (also on every later call).
+pub fn shared_broker() -> anyhow::Result<BrokerAt> {
+    static CREATED: OnceLock<Result<(), String>> = OnceLock::new();
+    CREATED
+        .get_or_init(|| {
+            accounts::suite()
+                .create(accounts::import_shared)
+                .map_err(|e| format!("create the test suite's broker accounts: {e:#}"))
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)?;
+    Ok(BrokerAt::new(
+        std::env::var("VQ_TEST_BROKER_URL").unwrap_or_else(|_| "amqp://127.0.0.1:5672/%2f".into()),
+    ))
+}
+
+/// The URL the suite's account of `role` logs in with on the
+/// [`shared_broker`].
+///
+/// # Errors
+/// As [`shared_broker`].
+pub fn broker_url(role: Role) -> anyhow::Result<String> {
+    Ok(shared_broker()?.url(role))
+}
+
+/// A connection to `broker` as the suite's account of `role`, named
+/// `name`, and a confirm channel on it.
+///
+/// # Errors
+/// Broker errors.
+pub async fn connect_role(
+    broker: &BrokerAt,
+    role: Role,
+    name: &str,
+) -> anyhow::Result<(Connection, Channel)> {
+    let cfg = BrokerConfig {
+        url: broker.url(role),
+        ..Default::default()
+    };
+    let conn = vq_common::amqp::connect(&cfg, name).await?;
+    let ch = confirm_channel(&conn).await?;
+    Ok((conn, ch))
 }
 
 /// A spawned process that is killed (with its process group when it leads
@@ -252,30 +298,105 @@ impl Drop for ChildGuard {
     }
 }
 
-/// A broker connection for one test cluster.
+/// A test's broker connections for one test cluster, each as the suite
+/// account of the role whose work it does ([`accounts::suite`]).
 pub struct TestBroker {
-    /// The connection.
+    /// The controller's connection: it declares the topology (as the
+    /// controller does), publishes control messages, taps events, inspects
+    /// and cleans up queues.
     pub conn: Connection,
-    /// A confirm channel.
+    /// A confirm channel on [`TestBroker::conn`].
     pub ch: Channel,
     /// Names of the test cluster.
     pub topo: Topology,
     pools: Vec<String>,
+    /// The submitter's connection and confirm channel, and its user name:
+    /// jobs are published there.
+    jobs: Option<(Connection, Channel, String)>,
+    /// The broker with the suite's accounts ([`TestBroker::connect_at`]).
+    at: Option<BrokerAt>,
 }
 
 impl TestBroker {
-    /// Connects to [`broker_url`] and declares the whole topology of
-    /// `cluster` with `pools`.
+    /// [`TestBroker::connect_at`] the [`shared_broker`].
     ///
     /// # Errors
     /// Broker errors.
     pub async fn connect(cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
-        Self::connect_url(&broker_url(), cluster, pools).await
+        Self::connect_at(&shared_broker()?, cluster, pools).await
     }
 
-    /// Publishes raw `body` to the jobs exchange for `pool`, with AMQP
-    /// `user_id` (RabbitMQ checks it equals the connection's user, `guest`
-    /// by default) and `message_id`.
+    /// Connects to `broker` as the suite's controller and declares the
+    /// whole topology of `cluster` with `pools`, and as the suite's trusted
+    /// submitter, which publishes the jobs; dead letters are taken as the
+    /// inspector.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn connect_at(
+        broker: &BrokerAt,
+        cluster: &str,
+        pools: &[&str],
+    ) -> anyhow::Result<Self> {
+        let mut b = Self::connect_url(&broker.url(Role::Controller), cluster, pools).await?;
+        let submitter = accounts::suite().of(Role::Submitter);
+        let cfg = BrokerConfig {
+            url: broker.url_of(submitter),
+            ..Default::default()
+        };
+        let conn = vq_common::amqp::connect(&cfg, "vq-tests submitter").await?;
+        let ch = confirm_channel(&conn).await?;
+        b.jobs = Some((conn, ch, submitter.user.clone()));
+        b.at = Some(broker.clone());
+        Ok(b)
+    }
+
+    /// Connects with the one account of `url` (e.g. a controller account
+    /// of a test's own) and declares the whole topology of `cluster` with
+    /// `pools`. Such a broker has no submitter or inspector:
+    /// [`TestBroker::publish_job`] and [`TestBroker::take_dead`] fail.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn connect_url(url: &str, cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
+        let cfg = BrokerConfig {
+            url: url.into(),
+            ..Default::default()
+        };
+        let conn = vq_common::amqp::connect(&cfg, "vq-tests").await?;
+        let ch = confirm_channel(&conn).await?;
+        let topo = Topology::new(cluster);
+        declare_topology(&ch, &topo, pools.iter().copied()).await?;
+        Ok(TestBroker {
+            conn,
+            ch,
+            topo,
+            pools: pools.iter().map(|p| p.to_string()).collect(),
+            jobs: None,
+            at: None,
+        })
+    }
+
+    /// The submitter's connection: (confirm channel, user name).
+    fn submitter(&self) -> anyhow::Result<(&Channel, &str)> {
+        self.jobs
+            .as_ref()
+            .map(|(_, ch, user)| (ch, user.as_str()))
+            .context("this TestBroker has no submitter account (connected with connect_url)")
+    }
+
+    /// The user name jobs are published as ([`accounts::Suite::submitter`]).
+    ///
+    /// # Errors
+    /// Without a submitter account ([`TestBroker::connect_url`]).
+    pub fn submitter_user(&self) -> anyhow::Result<&str> {
+        Ok(self.submitter()?.1)
+    }
+
+    /// Publishes raw `body` to the jobs exchange for `pool` on the
+    /// submitter's connection, with AMQP `user_id` (RabbitMQ refuses any
+    /// but the submitter's own, [`TestBroker::submitter_user`]; `None`
+    /// sends none) and `message_id`.
     ///
     /// # Errors
     /// Broker errors.
@@ -286,12 +407,13 @@ impl TestBroker {
         user_id: Option<&str>,
         message_id: &str,
     ) -> anyhow::Result<()> {
+        let (ch, _) = self.submitter()?;
         let mut props = json_properties::<Job>().with_message_id(message_id.into());
         if let Some(u) = user_id {
             props = props.with_user_id(u.into());
         }
         publish_confirmed(
-            &self.ch,
+            ch,
             &self.topo.jobs_exchange(),
             pool,
             body,
@@ -303,29 +425,112 @@ impl TestBroker {
         Ok(())
     }
 
-    /// Publishes `job` to its pool with AMQP `user_id`.
+    /// Publishes `job` to its pool as the suite's trusted submitter (AMQP
+    /// `user_id` = [`TestBroker::submitter_user`]).
     ///
     /// # Errors
     /// Broker errors.
-    pub async fn publish_job(&self, job: &Job, user_id: Option<&str>) -> anyhow::Result<()> {
-        self.publish_raw_job(&job.pool, &job.encode(), user_id, &job.id)
+    pub async fn publish_job(&self, job: &Job) -> anyhow::Result<()> {
+        let user = self.submitter_user()?;
+        self.publish_raw_job(&job.pool, &job.encode(), Some(user), &job.id)
             .await
     }
 
-    /// Publishes a control message to `agent`.
+    /// Publishes a control message to `agent` as the controller (AMQP
+    /// `user_id` = the controller account, which agents started by the
+    /// harness list in `control_admins`).
     ///
     /// # Errors
     /// Broker errors (including "unroutable" when the agent has no control
     /// queue yet).
     pub async fn publish_control(&self, agent: &str, msg: &Control) -> anyhow::Result<()> {
+        let user = self.conn.status().username();
+        self.control_on(&self.ch, &user, agent, msg).await
+    }
+
+    /// Publishes `job` to its pool on a connection of its own as `account`
+    /// (AMQP `user_id` = its user), e.g. the suite's untrusted submitter.
+    ///
+    /// # Errors
+    /// Broker errors, or no suite broker ([`TestBroker::connect_url`]).
+    pub async fn publish_job_as(
+        &self,
+        account: &accounts::Account,
+        job: &Job,
+    ) -> anyhow::Result<()> {
+        let conn = self
+            .connect_account(account, "vq-tests publish_job_as")
+            .await?;
+        let ch = confirm_channel(&conn).await?;
+        let sent = publish_confirmed(
+            &ch,
+            &self.topo.jobs_exchange(),
+            &job.pool,
+            &job.encode(),
+            json_properties::<Job>()
+                .with_message_id(job.id.as_str().into())
+                .with_user_id(account.user.as_str().into()),
+            true,
+            Duration::from_secs(10),
+        )
+        .await;
+        let _ = conn.close(200, "done".into()).await;
+        sent?;
+        Ok(())
+    }
+
+    /// Publishes a control message to `agent` on a connection of its own
+    /// as `account` (AMQP `user_id` = its user).
+    ///
+    /// # Errors
+    /// Broker errors, or no suite broker ([`TestBroker::connect_url`]).
+    pub async fn publish_control_as(
+        &self,
+        account: &accounts::Account,
+        agent: &str,
+        msg: &Control,
+    ) -> anyhow::Result<()> {
+        let conn = self
+            .connect_account(account, "vq-tests publish_control_as")
+            .await?;
+        let ch = confirm_channel(&conn).await?;
+        let sent = self.control_on(&ch, &account.user, agent, msg).await;
+        let _ = conn.close(200, "done".into()).await;
+        sent
+    }
+
+    /// A new connection to this broker as `account`.
+    async fn connect_account(
+        &self,
+        account: &accounts::Account,
+        name: &str,
+    ) -> anyhow::Result<Connection> {
+        let at = self
+            .at
+            .as_ref()
+            .context("this TestBroker has no suite accounts (connected with connect_url)")?;
+        let cfg = BrokerConfig {
+            url: at.url_of(account),
+            ..Default::default()
+        };
+        Ok(vq_common::amqp::connect(&cfg, name).await?)
+    }
+
+    async fn control_on(
+        &self,
+        ch: &Channel,
+        user: &str,
+        agent: &str,
+        msg: &Control,
+    ) -> anyhow::Result<()> {
         publish_confirmed(
-            &self.ch,
+            ch,
             &self.topo.control_exchange(),
             agent,
             &msg.encode(),
             // Agents authorise control messages by the broker-validated
-            // user_id; the harness connects as guest.
-            json_properties::<Control>().with_user_id("guest".into()),
+            // user_id.
+            json_properties::<Control>().with_user_id(user.into()),
             true,
             Duration::from_secs(10),
         )
@@ -380,41 +585,18 @@ impl TestBroker {
         })
     }
 
-    /// Takes every message now in `<cluster>.jobs.dead` (acking them).
+    /// Takes every message now in `<cluster>.jobs.dead` (acking them), as
+    /// the suite's inspector (a connection of its own per call).
     ///
     /// # Errors
-    /// Broker errors.
+    /// Broker errors, or no suite broker ([`TestBroker::connect_url`]).
     pub async fn take_dead(&self) -> anyhow::Result<Vec<DeadLetter>> {
-        let mut out = Vec::new();
-        while let Some(m) = self
-            .ch
-            .basic_get(
-                self.topo.dead_queue().as_str().into(),
-                BasicGetOptions { no_ack: true },
-            )
-            .await?
-        {
-            let d = m.delivery;
-            let mut headers = BTreeMap::new();
-            if let Some(h) = d.properties.headers() {
-                for (k, v) in h.inner() {
-                    let s = match v {
-                        AMQPValue::LongString(s) => {
-                            String::from_utf8_lossy(s.as_bytes()).into_owned()
-                        }
-                        AMQPValue::ShortString(s) => s.to_string(),
-                        other => format!("{other:?}"),
-                    };
-                    headers.insert(k.to_string(), s);
-                }
-            }
-            out.push(DeadLetter {
-                body: d.data,
-                headers,
-                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
-            });
-        }
-        Ok(out)
+        let conn = self
+            .connect_account(&accounts::suite().inspector, "vq-tests inspector")
+            .await?;
+        let got = take_dead_on(&conn, &self.topo).await;
+        let _ = conn.close(200, "done".into()).await;
+        got
     }
 
     /// Number of ready messages in `queue`.
@@ -467,8 +649,43 @@ impl TestBroker {
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;
         }
+        if let Some((conn, _, _)) = &self.jobs {
+            let _ = conn.close(200, "test done".into()).await;
+        }
         let _ = self.conn.close(200, "test done".into()).await;
     }
+}
+
+/// Takes every message now in the dead-letter queue of `topo` on `conn`.
+async fn take_dead_on(conn: &Connection, topo: &Topology) -> anyhow::Result<Vec<DeadLetter>> {
+    let ch = conn.create_channel().await?;
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(
+            topo.dead_queue().as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await?
+    {
+        let d = m.delivery;
+        let mut headers = BTreeMap::new();
+        if let Some(h) = d.properties.headers() {
+            for (k, v) in h.inner() {
+                let s = match v {
+                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                    AMQPValue::ShortString(s) => s.to_string(),
+                    other => format!("{other:?}"),
+                };
+                headers.insert(k.to_string(), s);
+            }
+        }
+        out.push(DeadLetter {
+            body: d.data,
+            headers,
+            message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+        });
+    }
+    Ok(out)
 }
 
 /// A dead-lettered message.
@@ -737,8 +954,10 @@ pub struct EmptyCloudController {
     _dir: tempfile::TempDir,
 }
 
-/// Starts an [`EmptyCloudController`] for `cluster`/`pool` on the broker at
-/// `url`; its log level is `VQ_TEST_CONTROLLER_LOG` or `log`.
+/// Starts an [`EmptyCloudController`] for `cluster`/`pool` logging in with
+/// `url` (a controller account's; the pool's `agent_broker_url` is the same
+/// broker with the suite's agent account); its log level is
+/// `VQ_TEST_CONTROLLER_LOG` or `log`.
 ///
 /// # Errors
 /// If a binary cannot be built, the cloud or the process started.
@@ -775,13 +994,14 @@ pub async fn start_controller_on_empty_cloud_at(
         &agent_cfg,
     ))
     .await?;
+    let agent_url = accounts::suite().agent.url(url);
     let controller_cfg = dir.path().join("controller.toml");
     std::fs::write(
         &controller_cfg,
         format!(
             "cluster = \"{cluster}\"\nlisten = \"{listen}\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{url}\"\nmin = 0\nmax = 0\n"
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n"
         ),
     )?;
     let mut cmd = Command::new(&controller_bin);
@@ -825,6 +1045,21 @@ pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
     }
 }
 
+/// The config file of an agent started by the harness: heartbeats every
+/// 0.5 s, `extra_toml` (top-level keys), broker `url` with `broker_toml`
+/// added to the `[broker]` table, and the suite's trust
+/// ([`accounts::Suite::agent_admins_toml`] and
+/// [`accounts::Suite::agent_submitters_toml`]: the controller is the admin
+/// and requeuer, the suite's submitter a trusted bridge).
+pub fn agent_config(url: &str, extra_toml: &str, broker_toml: &str) -> String {
+    let suite = accounts::suite();
+    format!(
+        "heartbeat_secs = 0.5\n{}{extra_toml}\n[broker]\nurl = \"{url}\"\n{broker_toml}\n{}",
+        suite.agent_admins_toml(),
+        suite.agent_submitters_toml()
+    )
+}
+
 /// A running jobagent with its config directory.
 pub struct AgentProcess {
     /// The process.
@@ -845,8 +1080,9 @@ pub fn fault_trials(default: usize) -> usize {
 }
 
 /// Starts `jobagent` for `cluster`/`pool` as agent `agent_id` with the
-/// config keys in `extra_toml` appended (e.g. `min_uid = 1000`), the
-/// broker [`broker_url`], and `env` added to its environment. Its log goes
+/// config keys in `extra_toml` appended (e.g. `min_uid = 1000`; top-level
+/// keys only, see [`agent_config`]), the suite's agent account on the
+/// [`shared_broker`], and `env` added to its environment. Its log goes
 /// to the test's stderr.
 ///
 /// # Errors
@@ -882,10 +1118,7 @@ pub fn start_agent_wrapped(
     let config = dir.path().join("jobagent.toml");
     std::fs::write(
         &config,
-        format!(
-            "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{extra_toml}\n[broker]\nurl = \"{}\"\n",
-            broker_url()
-        ),
+        agent_config(&broker_url(Role::Agent)?, extra_toml, ""),
     )?;
     // An explicit identity file, so a host's /etc/vq/identity.toml never
     // leaks into tests (and the identity path is exercised).
@@ -927,6 +1160,45 @@ pub fn start_agent_wrapped(
         guard,
         agent_id: agent_id.into(),
         dir,
+    })
+}
+
+/// One agent on a fresh test cluster of the shared broker, for tests of
+/// what an agent does with jobs ([`one_agent`]).
+pub struct OneAgent {
+    /// The cluster's broker connections.
+    pub broker: TestBroker,
+    /// Events, tapped before the agent started.
+    pub tap: EventTap,
+    /// The agent, `<cluster>-a1`, up (it has heartbeated).
+    pub agent: AgentProcess,
+    /// The Unix user `vqt-alice` (uid 2001), to own jobs.
+    pub alice: TestUser,
+}
+
+/// Declares a fresh cluster with `pool`, taps its events and starts an
+/// agent on it with `extra_toml` and `env` ([`start_agent`]), and waits
+/// for its first heartbeat. Root (creates `vqt-alice`).
+///
+/// # Errors
+/// If a step fails.
+pub async fn one_agent(
+    pool: &str,
+    extra_toml: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<OneAgent> {
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let agent_id = format!("{cluster}-a1");
+    let agent = start_agent(&cluster, pool, &agent_id, extra_toml, env)?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+    Ok(OneAgent {
+        broker,
+        tap,
+        agent,
+        alice,
     })
 }
 
@@ -1021,27 +1293,6 @@ pub fn start_agent_url(
 }
 
 impl TestBroker {
-    /// [`TestBroker::connect`] to the broker at `url`.
-    ///
-    /// # Errors
-    /// Broker errors.
-    pub async fn connect_url(url: &str, cluster: &str, pools: &[&str]) -> anyhow::Result<Self> {
-        let cfg = BrokerConfig {
-            url: url.into(),
-            ..Default::default()
-        };
-        let conn = vq_common::amqp::connect(&cfg, "vq-tests").await?;
-        let ch = confirm_channel(&conn).await?;
-        let topo = Topology::new(cluster);
-        declare_topology(&ch, &topo, pools.iter().copied()).await?;
-        Ok(TestBroker {
-            conn,
-            ch,
-            topo,
-            pools: pools.iter().map(|p| p.to_string()).collect(),
-        })
-    }
-
     /// Declares the durable queue `name` bound to the events exchange for
     /// `job.#` and `agent.#` (unlike [`TestBroker::tap_events`] it keeps
     /// events across broker restarts and test reconnects); read it with
@@ -1135,10 +1386,7 @@ impl AgentLaunch<'_> {
         let config = self.dir.join("jobagent.toml");
         std::fs::write(
             &config,
-            format!(
-                "heartbeat_secs = 0.5\ncontrol_admins = [\"guest\"]\n{}\n[broker]\nurl = \"{}\"\n{}\n",
-                self.extra_toml, self.url, self.broker_toml
-            ),
+            agent_config(self.url, self.extra_toml, self.broker_toml),
         )?;
         let identity = self.dir.join("identity.toml");
         std::fs::write(

@@ -7,6 +7,12 @@
 //! A start takes about 5-10 s on 2 cores: keep node starts per test small.
 //! Needs root (the Debian scripts run the node as the invoking user; the
 //! data directory is a private temporary directory).
+//!
+//! Every node has the test suite's broker accounts
+//! ([`crate::accounts::suite`], imported once right after the first start;
+//! they live in the node's data directory across restarts): tests log in
+//! with [`RabbitNode::role_url`], never as `guest`, which only the harness
+//! uses to see that the node is up.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -14,6 +20,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use vq_common::topology::Role;
+
+use crate::accounts::{self, BrokerAt};
 
 /// The RabbitMQ server script run in the foreground (avoids the Debian su
 /// wrapper).
@@ -182,6 +191,12 @@ impl RabbitNode {
         };
         n.start_epmd()?;
         n.start().await?;
+        accounts::suite()
+            .create(|defs| {
+                let defs = defs.to_str().context("definitions path is not UTF-8")?;
+                n.ctl(&["-q", "import_definitions", defs]).map(drop)
+            })
+            .context("create the test suite's broker accounts on the private node")?;
         Ok(n)
     }
 
@@ -205,8 +220,20 @@ impl RabbitNode {
         self.tls_port
     }
 
-    /// `amqp://guest:guest@127.0.0.1:<port>/%2f`.
-    pub fn url(&self) -> String {
+    /// The node's plain AMQP listener with the suite's accounts on it.
+    pub fn broker(&self) -> BrokerAt {
+        BrokerAt::new(format!("amqp://127.0.0.1:{}/%2f", self.amqp_port))
+    }
+
+    /// `amqp://<account>:<password>@127.0.0.1:<port>/%2f` of the suite's
+    /// account of `role`.
+    pub fn role_url(&self, role: Role) -> String {
+        self.broker().url(role)
+    }
+
+    /// The node's own administrator (`guest`, loopback only), used only to
+    /// see that the node accepts AMQP before the suite's accounts exist.
+    fn admin_url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)
     }
 
@@ -312,7 +339,7 @@ impl RabbitNode {
 
     async fn amqp_ready(&self) -> bool {
         let cfg = vq_common::config::BrokerConfig {
-            url: self.url(),
+            url: self.admin_url(),
             connect_timeout_secs: 2,
             ..Default::default()
         };

@@ -11,7 +11,7 @@ use anyhow::{bail, ensure};
 use vq_common::topology::{Permissions, Role};
 use vq_tests::accounts::{self, Clusters};
 use vq_tests::harness::{
-    broker_url, require_root, start_controller_on_empty_cloud_at, unique_cluster, TestBroker,
+    require_root, shared_broker, start_controller_on_empty_cloud_at, unique_cluster, TestBroker,
 };
 use vq_tests::rabbit_node::free_port;
 
@@ -60,7 +60,7 @@ async fn a_controller_lacking_write_on_the_control_exchange_is_unhealthy_and_nam
     lacking.write = format!(r"^({cluster}\.(?!control$).*|amq\.gen-.*)$");
     let ctl = accounts::account(Role::Controller, "vqt-perm-controller");
     accounts::create_with(&[(ctl.clone(), lacking)], accounts::import_shared)?;
-    let url = ctl.url(&broker_url());
+    let url = shared_broker()?.url_of(&ctl);
     // The topology exists (declared with the same account: declaring needs
     // no write on the exchange).
     let broker = TestBroker::connect_url(&url, &cluster, &[pool]).await?;
@@ -138,7 +138,7 @@ async fn an_inspector_takes_dead_letters_and_reads_nothing_else() -> anyhow::Res
         Clusters::Named(&cluster),
         accounts::import_shared,
     )?;
-    let broker = TestBroker::connect_url(&ctl.url(&broker_url()), &cluster, &[pool]).await?;
+    let broker = TestBroker::connect_url(&shared_broker()?.url_of(&ctl), &cluster, &[pool]).await?;
     publish_confirmed(
         &broker.ch,
         &broker.topo.dead_exchange(),
@@ -150,7 +150,7 @@ async fn an_inspector_takes_dead_letters_and_reads_nothing_else() -> anyhow::Res
     )
     .await?;
     let cfg = BrokerConfig {
-        url: inspector.url(&broker_url()),
+        url: shared_broker()?.url_of(&inspector),
         ..Default::default()
     };
     let conn = connect(&cfg, "vq-tests inspector").await?;

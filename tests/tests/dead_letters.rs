@@ -1,7 +1,9 @@
 //! Every dead letter ends with exactly one `failed` event: the controller
 //! publishes it for the ones RabbitMQ makes itself (quorum delivery limit,
-//! rejection), agents for their own. No agent runs here, no root needed:
-//! `cargo test -p vq-tests --test dead_letters`.
+//! rejection), agents for their own. No agent runs here: the test plays it
+//! on a connection of the suite's agent account. Root (rabbitmqctl creates
+//! the broker accounts): `cargo test -p vq-tests --test dead_letters --
+//! --include-ignored`.
 
 use std::time::Duration;
 
@@ -11,9 +13,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
 use vq_common::amqp::{declare_bound_queue, publish_confirmed};
 use vq_common::messages::{Message, REASON_HEADER};
-use vq_common::topology::POOL_DELIVERY_LIMIT;
+use vq_common::topology::{Role, POOL_DELIVERY_LIMIT};
 use vq_tests::harness::{
-    broker_url, job, start_controller_on_empty_cloud, unique_cluster, EventTap, TestBroker,
+    broker_url, connect_role, job, require_root, shared_broker, start_controller_on_empty_cloud,
+    unique_cluster, EventTap, TestBroker,
 };
 
 const POOL: &str = "dl";
@@ -41,7 +44,11 @@ fn job_events(tap: &EventTap) -> Vec<Event> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
     let cluster = unique_cluster();
     let b = TestBroker::connect(&cluster, &[POOL]).await?;
     let watch = b.topo.dead_watch_queue();
@@ -56,7 +63,9 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
     )
     .await?;
     let mut tap = b.tap_events().await?;
-    let ctl = start_controller_on_empty_cloud(&broker_url(), &cluster, POOL, "info").await?;
+    let ctl =
+        start_controller_on_empty_cloud(&broker_url(Role::Controller)?, &cluster, POOL, "info")
+            .await?;
     // The controller is connected once it has declared its own queues.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while b.queue_len(&b.topo.fence_queue()).await.is_err() {
@@ -67,6 +76,9 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    // The agent's side, with the agent's account.
+    let (agent, agent_ch) = connect_role(&shared_broker()?, Role::Agent, "vq-tests agent").await?;
+
     // An agent's dead letter (vq's reason header): its agent reports it.
     let by_agent = job(POOL, "alice", "byagent", "true");
     let mut headers = FieldTable::default();
@@ -75,7 +87,7 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         AMQPValue::LongString(LongString::from("owner refused")),
     );
     publish_confirmed(
-        &b.ch,
+        &agent_ch,
         &b.topo.dead_exchange(),
         POOL,
         &by_agent.encode(),
@@ -89,11 +101,11 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
 
     // Redelivered past the quorum delivery limit: RabbitMQ dead-letters it.
     let limited = job(POOL, "alice", "limited", "true");
-    b.publish_job(&limited, Some("guest")).await?;
+    b.publish_job(&limited).await?;
     let pool_queue = b.topo.pool_queue(POOL);
     let mut deliveries = 0;
-    while let Some(m) =
-        b.ch.basic_get(
+    while let Some(m) = agent_ch
+        .basic_get(
             pool_queue.as_str().into(),
             BasicGetOptions { no_ack: false },
         )
@@ -114,10 +126,10 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
 
     // Rejected without requeue, with a body that is no job.
     let garbage_id = format!("{}-garbage", rand::random::<u32>());
-    b.publish_raw_job(POOL, b"not a job", Some("guest"), &garbage_id)
+    b.publish_raw_job(POOL, b"not a job", Some(b.submitter_user()?), &garbage_id)
         .await?;
-    let m =
-        b.ch.basic_get(
+    let m = agent_ch
+        .basic_get(
             pool_queue.as_str().into(),
             BasicGetOptions { no_ack: false },
         )
@@ -149,7 +161,7 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
         "message id {:?}",
         e.message_id
     );
-    ensure!(e.body["owner"] == "alice" && e.body["submitter"] == "guest");
+    ensure!(e.body["owner"] == "alice" && e.body["submitter"] == b.submitter_user()?);
     ensure!(
         of(&by_agent.id).is_empty(),
         "an agent-made dead letter got a controller event"
@@ -180,6 +192,7 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
     ensure!(limited_dead.headers.contains_key("x-death"));
     ensure!(b.queue_len(&watch).await? == 0, "watch copies left");
 
+    agent.close(200, "done".into()).await.ok();
     drop(ctl.guard);
     ctl.sim.shutdown().await;
     let _ =

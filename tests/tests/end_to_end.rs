@@ -17,7 +17,8 @@ use vq_common::topology::Role;
 use vq_tests::accounts::{self, Clusters};
 use vq_tests::cloudsim::{Sim, SimConfig};
 use vq_tests::harness::{
-    broker_url, build_bin, ensure_test_user, require_root, unique_cluster, ChildGuard, TestBroker,
+    build_bin, ensure_test_user, require_root, shared_broker, unique_cluster, ChildGuard,
+    TestBroker,
 };
 
 const POOL: &str = "e2e";
@@ -61,8 +62,8 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
         Clusters::Named(&cluster),
         accounts::import_shared,
     )?;
-    let controller_url = controller_account.url(&broker_url());
-    let agent_url = agent_account.url(&broker_url());
+    let controller_url = shared_broker()?.url_of(&controller_account);
+    let agent_url = shared_broker()?.url_of(&agent_account);
 
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
@@ -137,7 +138,7 @@ cooldown_secs = 1
         )?;
         names.push(name);
     }
-    let submit_url = submitter.url(&broker_url());
+    let submit_url = shared_broker()?.url_of(&submitter);
     let mut ids = BTreeMap::new();
     for name in &names {
         let out = Command::new("runuser")

@@ -21,12 +21,14 @@ use std::time::{Duration, Instant};
 use anyhow::ensure;
 use nix::sys::signal::Signal;
 use vq_common::messages::Control;
+use vq_common::topology::Role;
 use vq_tests::harness::{
     broker_url, ensure_test_user, job, require_root, start_agent_in, start_agent_url,
     start_controller_on_empty_cloud, unique_cluster, wait_agent_up, EventTap, TestBroker, TestUser,
 };
 
-const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of every agent here (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 1\n";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// A script that, once it runs, records its process group id (written
@@ -118,12 +120,12 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
     let mut tap = broker.tap_events().await?;
     let agent_id = format!("{cluster}-p1");
     let dir = tempfile::tempdir()?;
-    let url = broker_url();
-    let mut agent = start_agent_in(&url, &cluster, pool, &agent_id, TRUST_GUEST, dir.path())?;
+    let url = broker_url(Role::Agent)?;
+    let mut agent = start_agent_in(&url, &cluster, pool, &agent_id, AGENT_TOML, dir.path())?;
     wait_agent_up(&mut tap, &agent_id).await?;
     let (script, pidfile) = pid_script(&alice, "poison", 30);
     let j = job(pool, &alice.name, "poison", &script);
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     let limit = vq_common::topology::DEFAULT_LOSS_LIMIT as usize;
     for run in 1..=limit {
         nth_event(&mut tap, &j.id, "started", run).await?;
@@ -133,7 +135,7 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
         agent.wait_timeout(Duration::from_secs(5));
         kill_job(pgid);
         drop(agent);
-        agent = start_agent_in(&url, &cluster, pool, &agent_id, TRUST_GUEST, dir.path())?;
+        agent = start_agent_in(&url, &cluster, pool, &agent_id, AGENT_TOML, dir.path())?;
     }
     let failed = tap.job_event(&j.id, "failed", WAIT).await?;
     let reason = failed["reason"].as_str().unwrap_or_default().to_string();
@@ -143,7 +145,7 @@ async fn a_job_that_keeps_killing_its_agent_is_dead_lettered_after_the_loss_limi
     );
     // The agent is fine and takes the next job.
     let ok = job(pool, &alice.name, "afterpoison", "true");
-    broker.publish_job(&ok, Some("guest")).await?;
+    broker.publish_job(&ok).await?;
     tap.job_event(&ok.id, "finished", WAIT).await?;
     ensure!(
         count(&tap, &j.id, "started") == limit,
@@ -197,23 +199,25 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     let pool = "fence";
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
-    let url = broker_url();
+    let url = broker_url(Role::Agent)?;
 
     // The controller runs against an empty test cloud (max 0: it boots
     // nothing); the agents are started here, so they are fenced as agents
     // without a server once their heartbeats stop.
-    let controller = start_controller_on_empty_cloud(&url, &cluster, pool, "info").await?;
+    let controller =
+        start_controller_on_empty_cloud(&broker_url(Role::Controller)?, &cluster, pool, "info")
+            .await?;
     // The controller knows agents without a server only from their
     // heartbeats: let it listen before the first agent starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Rerunnable: runs again elsewhere after its agent died.
     let a1 = format!("{cluster}-f1");
-    let agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
+    let agent1 = start_agent_url(&url, &cluster, pool, &a1, AGENT_TOML)?;
     wait_agent_up(&mut tap, &a1).await?;
     let (script, pidfile) = pid_script(&alice, "fence-r", 3);
     let r = job(pool, &alice.name, "fence-r", &script);
-    broker.publish_job(&r, Some("guest")).await?;
+    broker.publish_job(&r).await?;
     let s1 = tap.job_event(&r.id, "started", WAIT).await?;
     ensure!(s1["agent"] == a1.as_str(), "{s1}");
     let pgid = job_running(&pidfile).await?;
@@ -221,7 +225,7 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     kill_job(pgid);
     let t_killed = Instant::now();
     let a2 = format!("{cluster}-f2");
-    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
+    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, AGENT_TOML)?;
     let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
     ensure!(
         s2["agent"] == a2.as_str(),
@@ -240,9 +244,9 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     n.rerunnable = false;
     let a3 = format!("{cluster}-f3");
     drop(_agent2);
-    let agent3 = start_agent_url(&url, &cluster, pool, &a3, TRUST_GUEST)?;
+    let agent3 = start_agent_url(&url, &cluster, pool, &a3, AGENT_TOML)?;
     wait_agent_up(&mut tap, &a3).await?;
-    broker.publish_job(&n, Some("guest")).await?;
+    broker.publish_job(&n).await?;
     let s = tap.job_event(&n.id, "started", WAIT).await?;
     ensure!(s["agent"] == a3.as_str(), "{s}");
     let pgid = job_running(&pidfile).await?;
@@ -328,12 +332,12 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     let pool = "orphan";
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
-    let url = broker_url();
+    let url = broker_url(Role::Agent)?;
 
     // The agent runs, takes a job and dies (with its job) before any
     // controller runs: nobody ever hears its heartbeats.
     let a1 = format!("{cluster}-o1");
-    let agent1 = start_agent_url(&url, &cluster, pool, &a1, TRUST_GUEST)?;
+    let agent1 = start_agent_url(&url, &cluster, pool, &a1, AGENT_TOML)?;
     wait_agent_up(&mut tap, &a1).await?;
     ensure!(
         registered(&broker).await?.contains(&a1),
@@ -341,7 +345,7 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
     );
     let (script, pidfile) = pid_script(&alice, "orphan-r", 3);
     let r = job(pool, &alice.name, "orphan-r", &script);
-    broker.publish_job(&r, Some("guest")).await?;
+    broker.publish_job(&r).await?;
     let s1 = tap.job_event(&r.id, "started", WAIT).await?;
     ensure!(s1["agent"] == a1.as_str(), "{s1}");
     let pgid = job_running(&pidfile).await?;
@@ -354,9 +358,11 @@ async fn a_controller_that_never_heard_a_dead_agent_finds_its_leases_in_the_regi
 
     // Now a controller starts, against a cloud without that server.
     let t_controller = Instant::now();
-    let controller = start_controller_on_empty_cloud(&url, &cluster, pool, "info").await?;
+    let controller =
+        start_controller_on_empty_cloud(&broker_url(Role::Controller)?, &cluster, pool, "info")
+            .await?;
     let a2 = format!("{cluster}-o2");
-    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, TRUST_GUEST)?;
+    let _agent2 = start_agent_url(&url, &cluster, pool, &a2, AGENT_TOML)?;
     let s2 = nth_event(&mut tap, &r.id, "started", 2).await?;
     ensure!(
         s2["agent"] == a2.as_str(),
@@ -415,7 +421,7 @@ async fn an_agent_whose_lease_queue_was_deleted_declares_it_again_and_loses_noth
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
     let a1 = format!("{cluster}-r1");
-    let _agent = start_agent_url(&broker_url(), &cluster, pool, &a1, TRUST_GUEST)?;
+    let _agent = start_agent_url(&broker_url(Role::Agent)?, &cluster, pool, &a1, AGENT_TOML)?;
     wait_agent_up(&mut tap, &a1).await?;
     // What a wrong fence does to a live agent: its lease queue and registry
     // entry are gone.
@@ -437,7 +443,7 @@ async fn an_agent_whose_lease_queue_was_deleted_declares_it_again_and_loses_noth
         .map(|i| job(pool, &alice.name, &format!("relived{i}"), "echo ok\n"))
         .collect();
     for j in &jobs {
-        broker.publish_job(j, Some("guest")).await?;
+        broker.publish_job(j).await?;
     }
     for j in &jobs {
         let fin = tap.job_event(&j.id, "finished", WAIT).await?;
@@ -520,11 +526,11 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
     let pool = "race";
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
-    let url = broker_url();
+    let url = broker_url(Role::Agent)?;
     let (mut yes, mut no) = (0, 0);
     for trial in 0..ask_trials() {
         let agent_id = format!("{cluster}-r{trial}");
-        let agent = start_agent_url(&url, &cluster, pool, &agent_id, TRUST_GUEST)?;
+        let agent = start_agent_url(&url, &cluster, pool, &agent_id, AGENT_TOML)?;
         wait_agent_up(&mut tap, &agent_id).await?;
         // The job must still be held when the question arrives (at most
         // 40 ms after it): a `true` job can be claimed, run, reported and
@@ -537,13 +543,13 @@ async fn ask_delete_racing_a_job_delivery_never_says_yes_with_a_job_held() -> an
         };
         let delay = Duration::from_millis(rand::random_range(0..40));
         if trial % 2 == 0 {
-            broker.publish_job(&j, Some("guest")).await?;
+            broker.publish_job(&j).await?;
             tokio::time::sleep(delay).await;
             broker.publish_control(&agent_id, &ask).await?;
         } else {
             broker.publish_control(&agent_id, &ask).await?;
             tokio::time::sleep(delay).await;
-            broker.publish_job(&j, Some("guest")).await?;
+            broker.publish_job(&j).await?;
         }
         let answer = tap
             .wait_for(WAIT, "delete answer", |k, v| {
@@ -636,24 +642,24 @@ async fn a_second_message_with_the_id_of_a_running_job_on_another_agent_is_repor
     let pool = "dup";
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
-    let url = broker_url();
+    let url = broker_url(Role::Agent)?;
     let (da, db) = (tempfile::tempdir()?, tempfile::tempdir()?);
     let a = format!("{cluster}-a");
     let b = format!("{cluster}-b");
-    let _agent_a = start_agent_in(&url, &cluster, pool, &a, TRUST_GUEST, da.path())?;
+    let _agent_a = start_agent_in(&url, &cluster, pool, &a, AGENT_TOML, da.path())?;
     wait_agent_up(&mut tap, &a).await?;
     let (script, pidfile, release) = held_script(&alice, "dupfirst");
     let first = job(pool, &alice.name, "dupfirst", &script);
-    broker.publish_job(&first, Some("guest")).await?;
+    broker.publish_job(&first).await?;
     tap.job_event(&first.id, "started", WAIT).await?;
     job_running(&pidfile).await?;
     // Agent A is full (one slot): the second message goes to agent B, which
     // knows nothing of the first in memory; only the claim marker tells.
-    let _agent_b = start_agent_in(&url, &cluster, pool, &b, TRUST_GUEST, db.path())?;
+    let _agent_b = start_agent_in(&url, &cluster, pool, &b, AGENT_TOML, db.path())?;
     wait_agent_up(&mut tap, &b).await?;
     let mut second = job(pool, &alice.name, "dupsecond", "echo second");
     second.id = first.id.clone();
-    broker.publish_job(&second, Some("guest")).await?;
+    broker.publish_job(&second).await?;
     let failed = tap.job_event(&first.id, "failed", WAIT).await?;
     ensure!(
         failed["duplicate"].is_string(),
@@ -697,13 +703,13 @@ async fn an_agent_restarting_under_a_job_applies_the_configured_loss_limit() -> 
     let mut tap = broker.tap_events().await?;
     let agent_id = format!("{cluster}-l1");
     let dir = tempfile::tempdir()?;
-    let url = broker_url();
-    let cfg = format!("loss_limit = 1\n{TRUST_GUEST}");
+    let url = broker_url(Role::Agent)?;
+    let cfg = format!("loss_limit = 1\n{AGENT_TOML}");
     let mut agent = start_agent_in(&url, &cluster, pool, &agent_id, &cfg, dir.path())?;
     wait_agent_up(&mut tap, &agent_id).await?;
     let (script, pidfile) = pid_script(&alice, "limit1", 30);
     let j = job(pool, &alice.name, "limit1", &script);
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     tap.job_event(&j.id, "started", WAIT).await?;
     let pgid = job_running(&pidfile).await?;
     agent.signal(Signal::SIGKILL);

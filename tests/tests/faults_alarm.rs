@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::Control;
-use vq_common::topology::Topology;
+use vq_common::topology::{Role, Topology};
 use vq_controller::broker::Broker;
 use vq_tests::harness::{ensure_test_user, job, require_root, AgentLaunch, DurableTap, TestBroker};
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "fa";
-const TAP: &str = "faults-alarm-tap";
-const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of the agent (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 1\n";
 
 /// Alarm trials (each about 10 s); `VQ_FAULT_TRIALS` overrides.
 fn trials() -> usize {
@@ -135,13 +135,15 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     let cluster = vq_tests::harness::unique_cluster();
     // The writer publishes jobs (and is blocked during alarms); the reader
     // only reads the tap and inspects queues, so it never is.
-    let writer = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
-    writer.durable_tap(TAP).await?;
-    let reader = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let writer = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
+    // The tap is the cluster's (the controller account may declare it).
+    let tap = format!("{cluster}.faults-alarm-tap");
+    writer.durable_tap(&tap).await?;
+    let reader = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
 
     let controller = Broker::new(
         BrokerConfig {
-            url: node.url(),
+            url: node.role_url(Role::Controller),
             confirm_timeout_secs: 2,
             ..Default::default()
         },
@@ -155,12 +157,13 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     let agent_id = format!("{cluster}-a1");
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("agent.log");
+    let agent_url = node.role_url(Role::Agent);
     let agent = AgentLaunch {
-        url: &node.url(),
+        url: &agent_url,
         cluster: &cluster,
         pool: POOL,
         agent_id: &agent_id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: "",
         dir: dir.path(),
         stderr: Some(&log),
@@ -168,7 +171,7 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         env: &[],
     };
     let mut guard = agent.spawn()?;
-    let mut seen = DurableTap::new(TAP);
+    let mut seen = DurableTap::new(&tap);
     seen.wait(&reader, "first heartbeat", Duration::from_secs(30), |s| {
         s.keys(".heartbeat") > 0
     })
@@ -178,25 +181,32 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     wait_conn_state(&node, &consume_name, "running").await?;
     wait_conn_state(&node, &publish_name, "running").await?;
 
+    // The held jobs end when the test releases them (creates their file),
+    // once the alarm is known to block the agent: a `sleep` would race the
+    // `rabbitmqctl` calls that raise and check the alarm, which take
+    // seconds on a loaded machine.
+    let release = |name: &str| alice.home.join(format!("{cluster}-{name}.release"));
+    let wait_for =
+        |file: &std::path::Path| format!("while [ ! -e {} ]; do sleep 0.1; done\n", file.display());
     let mut jobs = Vec::new();
     let mut raised_after = Vec::new();
     for trial in 0..trials() {
+        let held = release(&format!("held{trial}"));
         let running = job(
             POOL,
             &alice.name,
             &format!("held{trial}"),
-            "sleep 3\necho held-done\n",
+            &format!("{}echo held-done\n", wait_for(&held)),
         );
         let next = job(POOL, &alice.name, &format!("next{trial}"), "echo next\n");
-        writer.publish_job(&running, Some("guest")).await?;
+        writer.publish_job(&running).await?;
         seen.wait(&reader, "job started", Duration::from_secs(30), |s| {
             s.count(&running.id, "started") > 0
         })
         .await?;
-        let started = Instant::now();
         // Queued behind it (slots = 1); published before the alarm so that
         // it is surely in the queue.
-        writer.publish_job(&next, Some("guest")).await?;
+        writer.publish_job(&next).await?;
         let delay = Duration::from_millis(rand::random_range(0..1200));
         tokio::time::sleep(delay).await;
         raised_after.push(delay);
@@ -219,8 +229,8 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         );
 
         // The job ends during the alarm; its result waits.
-        let ends = started + Duration::from_secs(3);
-        tokio::time::sleep_until((ends + Duration::from_secs(2)).into()).await;
+        std::fs::write(&held, "")?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
         seen.poll(&reader).await?;
         ensure!(
             seen.finals(&running.id).is_empty(),
@@ -266,13 +276,18 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     // answer wait for the alarm to end. (Nobody can publish a control
     // message during an alarm: RabbitMQ 3.10 does not read even the first
     // publish of a fresh connection then.)
-    let last = job(POOL, &alice.name, "drained-job", "sleep 3\necho last\n");
-    writer.publish_job(&last, Some("guest")).await?;
+    let last_file = release("drained-job");
+    let last = job(
+        POOL,
+        &alice.name,
+        "drained-job",
+        &format!("{}echo last\n", wait_for(&last_file)),
+    );
+    writer.publish_job(&last).await?;
     seen.wait(&reader, "last job started", Duration::from_secs(30), |s| {
         s.count(&last.id, "started") > 0
     })
     .await?;
-    let started = Instant::now();
     writer
         .publish_control(
             &agent_id,
@@ -293,7 +308,8 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
     }
     raise_alarm(&node)?;
     wait_conn_state(&node, &publish_name, "blocked").await?;
-    tokio::time::sleep_until((started + Duration::from_secs(5)).into()).await;
+    std::fs::write(&last_file, "")?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     seen.poll(&reader).await?;
     ensure!(
         seen.finals(&last.id).is_empty() && seen.keys(".drained") == 0,
@@ -335,6 +351,7 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
         for ext in ["o", "e"] {
             let _ = std::fs::remove_file(alice.home.join(format!("{}.{ext}{}", j.name, j.seq())));
         }
+        let _ = std::fs::remove_file(release(&j.name));
     }
     let agent_log = std::fs::read_to_string(&log).unwrap_or_default();
     ensure!(

@@ -16,21 +16,28 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use futures_util::StreamExt;
-use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
+use vq_common::topology::Role;
 use vq_tests::harness::{
     ensure_test_user, job, require_root, start_agent_url, unique_cluster, DurableTap, TestBroker,
 };
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "fb";
-const TAP: &str = "faults-broker-tap";
-const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of the agent (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 1\n";
 /// Broker crash trials (each costs one node restart, about 8 s).
 const CRASH_TRIALS: usize = 4;
 
 fn crash_trials() -> usize {
     vq_tests::harness::fault_trials(CRASH_TRIALS)
+}
+
+/// The test's durable event tap: a queue of the cluster's, so the
+/// controller account may declare it.
+fn tap(cluster: &str) -> String {
+    format!("{cluster}.faults-broker-tap")
 }
 
 /// Connects and declares; after a restart, quorum queues and streams come
@@ -39,8 +46,8 @@ async fn connect(node: &RabbitNode, cluster: &str) -> anyhow::Result<TestBroker>
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let r = async {
-            let b = TestBroker::connect_url(&node.url(), cluster, &[POOL]).await?;
-            b.durable_tap(TAP).await?;
+            let b = TestBroker::connect_at(&node.broker(), cluster, &[POOL]).await?;
+            b.durable_tap(&tap(cluster)).await?;
             anyhow::Ok(b)
         }
         .await;
@@ -58,20 +65,22 @@ async fn connect(node: &RabbitNode, cluster: &str) -> anyhow::Result<TestBroker>
 /// The node really enforces the short consumer timeout: a consumer that
 /// holds a delivery unacked loses its channel within a few seconds.
 async fn consumer_timeout_is_enforced(b: &TestBroker) -> anyhow::Result<()> {
+    // A queue and exchange of the cluster's: vq's accounts reach nothing
+    // else (not even the default exchange).
+    let probe = format!("{}.probe", b.topo.cluster());
     let ch = b.conn.create_channel().await?;
-    ch.queue_declare(
-        "probe".into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
+    ch.exchange_declare(
+        probe.as_str().into(),
+        lapin::ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
         FieldTable::default(),
     )
     .await?;
+    vq_common::amqp::declare_bound_queue(&ch, &probe, &Vec::new(), &probe, &probe).await?;
     vq_common::amqp::publish_confirmed(
         &b.ch,
-        "",
-        "probe",
+        &probe,
+        &probe,
         b"x",
         Default::default(),
         true,
@@ -80,7 +89,7 @@ async fn consumer_timeout_is_enforced(b: &TestBroker) -> anyhow::Result<()> {
     .await?;
     let mut c = ch
         .basic_consume(
-            "probe".into(),
+            probe.as_str().into(),
             "".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
@@ -119,8 +128,14 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     let mut broker = connect(&node, &cluster).await?;
     consumer_timeout_is_enforced(&broker).await?;
     let agent_id = format!("{cluster}-a1");
-    let _agent = start_agent_url(&node.url(), &cluster, POOL, &agent_id, TRUST_GUEST)?;
-    let mut seen = DurableTap::new(TAP);
+    let _agent = start_agent_url(
+        &node.role_url(Role::Agent),
+        &cluster,
+        POOL,
+        &agent_id,
+        AGENT_TOML,
+    )?;
+    let mut seen = DurableTap::new(&tap(&cluster));
     seen.wait(&broker, "first heartbeat", Duration::from_secs(20), |s| {
         s.keys(".heartbeat") > 0
     })
@@ -129,7 +144,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     let mut jobs = Vec::new();
     // A job three times longer than the consumer timeout.
     let long = job(POOL, &alice.name, "long", "sleep 10\necho long-done\n");
-    broker.publish_job(&long, Some("guest")).await?;
+    broker.publish_job(&long).await?;
     seen.wait(&broker, "long job finished", Duration::from_secs(40), |s| {
         !s.finals(&long.id).is_empty()
     })
@@ -145,7 +160,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
             &format!("crash{trial}"),
             "sleep 6\necho done\n",
         );
-        broker.publish_job(&j, Some("guest")).await?;
+        broker.publish_job(&j).await?;
         seen.wait(&broker, "job started", Duration::from_secs(30), |s| {
             s.count(&j.id, "started") > 0
         })
@@ -168,7 +183,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     }
     // The agent takes a new job after the last restart.
     let after = job(POOL, &alice.name, "after", "echo after\n");
-    broker.publish_job(&after, Some("guest")).await?;
+    broker.publish_job(&after).await?;
     seen.wait(
         &broker,
         "job after the crashes",

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use nix::sys::signal::Signal;
 use vq_common::messages::Job;
+use vq_common::topology::Role;
 use vq_tests::harness::{
     ensure_test_user, job, require_root, start_controller_on_empty_cloud, unique_cluster,
     wait_agent_up, AgentLaunch, ChildGuard, EventTap, TestBroker, TestUser,
@@ -43,7 +44,8 @@ use vq_tests::harness::{
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "drain";
-const AGENT_TOML: &str = "slots = 2\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of every agent here (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 2\n";
 /// The drain grace given to the agent under test.
 const GRACE: Duration = Duration::from_secs(3);
 /// How long after the grace the agent may take to exit.
@@ -242,7 +244,7 @@ async fn trial(
         files.job_outputs(alice, j);
     }
 
-    broker.publish_job(&short, Some("guest")).await?;
+    broker.publish_job(&short).await?;
     let s = tap.job_event(&short.id, "started", WAIT).await?;
     ensure!(s["agent"] == a1.as_str(), "{s}");
     // Race trials: SIGTERM from 10 ms before to 15 ms after the long job's
@@ -257,7 +259,7 @@ async fn trial(
         tokio::time::sleep(Duration::from_millis(offset_ms.unsigned_abs())).await;
     }
     let t_publish = Instant::now();
-    broker.publish_job(&long, Some("guest")).await?;
+    broker.publish_job(&long).await?;
     if !race {
         let s = tap.job_event(&long.id, "started", WAIT).await?;
         ensure!(s["agent"] == a1.as_str(), "{s}");
@@ -277,7 +279,7 @@ async fn trial(
             t_publish.elapsed().as_millis()
         )
     };
-    broker.publish_job(&late, Some("guest")).await?;
+    broker.publish_job(&late).await?;
 
     // It stops pulling at once.
     tap.wait_for(
@@ -508,15 +510,17 @@ async fn systemd_stop_drains_with_a_grace_then_requeues_rerunnable_jobs() -> any
     }
     let alice = ensure_test_user("vqt-alice", 2001)?;
     let node = RabbitNode::start_new(NodeOptions::default()).await?;
-    let url = node.url();
+    let url = node.role_url(Role::Agent);
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&url, &cluster, &[POOL]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
 
     // The controller against an empty test cloud (max 0): it boots
     // nothing, and fences agents without a server once their heartbeats
     // stop, as it fences a stopped agent's VM.
-    let controller = start_controller_on_empty_cloud(&url, &cluster, POOL, "warn").await?;
+    let controller =
+        start_controller_on_empty_cloud(&node.role_url(Role::Controller), &cluster, POOL, "warn")
+            .await?;
     // It judges agents without a server only after listening a whole
     // heartbeat timeout.
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Context};
 use vq_common::messages::Job;
+use vq_tests::accounts;
 use vq_tests::harness::{
     ensure_test_user, job, require_root, unique_cluster, AgentLaunch, EventTap, TestBroker,
     TestUser,
@@ -39,7 +40,8 @@ use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 use vq_tests::tcp_proxy::TcpProxy;
 
 const POOL: &str = "part";
-const AGENT_TOML: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of the agent (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 1\n";
 /// AMQP heartbeat of the agent's connection, seconds.
 const AMQP_HEARTBEAT: u64 = 2;
 const WAIT: Duration = Duration::from_secs(40);
@@ -196,7 +198,7 @@ async fn trial(
         bh_start_unix = now_unix();
         let at = Duration::from_millis(rand::random_range(0..partition.as_millis() as u64 - 500));
         tokio::time::sleep(at).await;
-        env.broker.publish_job(&j, Some("guest")).await?;
+        env.broker.publish_job(&j).await?;
         tokio::time::sleep(partition - at).await;
         settle(tap, Duration::from_millis(200)).await;
         ensure!(
@@ -207,7 +209,7 @@ async fn trial(
         healed = Instant::now();
         bh_end_unix = now_unix();
     } else {
-        env.broker.publish_job(&j, Some("guest")).await?;
+        env.broker.publish_job(&j).await?;
         tap.job_event(&j.id, "started", WAIT).await?;
         let t_started = Instant::now();
         // Running: partition 0.5-2 s into the 12 s job. Finishing: from
@@ -248,7 +250,7 @@ async fn trial(
     // The agent takes a new job afterwards.
     let after = job(POOL, &env.alice.name, &format!("after{t}"), "true");
     files.0.extend(outputs(env.alice, &after));
-    env.broker.publish_job(&after, Some("guest")).await?;
+    env.broker.publish_job(&after).await?;
     let fa = tap.job_event(&after.id, "finished", WAIT).await?;
     ensure!(fa["outcome"]["code"] == 0, "trial {t}: {fa}");
     // Late duplicates would show up here.
@@ -316,15 +318,15 @@ async fn a_silent_partition_neither_loses_nor_duplicates_jobs() -> anyhow::Resul
     let node = RabbitNode::start_new(NodeOptions::default()).await?;
     let proxy = TcpProxy::start(([127, 0, 0, 1], node.port()).into()).await?;
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
     let agent_id = format!("{cluster}-p");
     let dir = tempfile::tempdir()?;
     let agent_log = dir.path().join("agent.log");
-    let url = format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat={AMQP_HEARTBEAT}",
+    let url = accounts::suite().agent.url(&format!(
+        "amqp://127.0.0.1:{}/%2f?heartbeat={AMQP_HEARTBEAT}",
         proxy.port()
-    );
+    ));
     let _agent = AgentLaunch {
         url: &url,
         cluster: &cluster,

@@ -13,6 +13,7 @@ use anyhow::ensure;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use vq_common::config::BrokerConfig;
+use vq_common::topology::Role;
 use vq_tests::harness::{require_root, unique_cluster, AgentLaunch};
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
@@ -30,17 +31,22 @@ async fn a_pool_queue_with_other_arguments_is_a_clear_error_retried_with_backoff
     let queue = format!("{cluster}.jobs.{POOL}");
     let conn = vq_common::amqp::connect(
         &BrokerConfig {
-            url: node.url(),
+            // Declared earlier by the controller's account (e.g. an older
+            // vq with other arguments).
+            url: node.role_url(Role::Controller),
             ..Default::default()
         },
         "vq-tests precondition",
     )
     .await?;
     let ch = conn.create_channel().await?;
+    // Another exchange of the cluster's (declaring a dead-letter exchange
+    // needs write on it, which vq's accounts have on their cluster only).
+    let elsewhere = format!("{cluster}.elsewhere");
     let mut args = FieldTable::default();
     args.insert(
         "x-dead-letter-exchange".into(),
-        AMQPValue::LongString(LongString::from("somebody.else")),
+        AMQPValue::LongString(LongString::from(elsewhere.as_str())),
     );
     ch.queue_declare(
         queue.as_str().into(),
@@ -55,8 +61,9 @@ async fn a_pool_queue_with_other_arguments_is_a_clear_error_retried_with_backoff
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("agent.log");
     let agent_id = format!("{cluster}-pre1");
+    let agent_url = node.role_url(Role::Agent);
     let mut agent = AgentLaunch {
-        url: &node.url(),
+        url: &agent_url,
         cluster: &cluster,
         pool: POOL,
         agent_id: &agent_id,
@@ -98,7 +105,7 @@ async fn a_pool_queue_with_other_arguments_is_a_clear_error_retried_with_backoff
     for needle in [
         queue.as_str(),
         "x-dead-letter-exchange",
-        "somebody.else",
+        elsewhere.as_str(),
         &format!("{cluster}.dead"),
     ] {
         ensure!(

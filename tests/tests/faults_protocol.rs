@@ -42,11 +42,14 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Context};
-use lapin::options::{QueueDeclareOptions, QueuePurgeOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
 use lapin::types::FieldTable;
 use vq_common::amqp::{confirm_channel, connect, publish_confirmed};
 use vq_common::config::BrokerConfig;
-use vq_common::topology::job_event_key;
+use vq_common::topology::{job_event_key, Role};
+use vq_tests::accounts;
 use vq_tests::amqp_proxy::{Action, AmqpProxy, Close, Direction, Method, Pred, Rule, Target};
 use vq_tests::harness::{
     ensure_test_user, job, require_root, unique_cluster, AgentLaunch, ChildGuard, EventTap,
@@ -55,7 +58,8 @@ use vq_tests::harness::{
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode};
 
 const POOL: &str = "proto";
-const AGENT_TOML: &str = "slots = 2\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of every agent here (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 2\n";
 /// Longest a trial may take to become quiet.
 const TRIAL_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -501,7 +505,7 @@ async fn trial(t: usize, plan: Plan, env: &mut Env<'_>, tap: &mut EventTap) -> a
         .add_rule(Rule::new(target).nth(nth).action(action).close(close));
     let start_unix = now_unix();
     for j in &jobs {
-        env.broker.publish_job(j, Some("guest")).await?;
+        env.broker.publish_job(j).await?;
     }
     let quiet = wait_quiet(env, tap, &ids, rule, accepted_before, start_unix).await?;
     env.proxy.disarm(rule);
@@ -733,7 +737,7 @@ async fn a_connection_dropped_at_any_protocol_step_neither_loses_nor_duplicates_
     let node = RabbitNode::start_new(NodeOptions::default()).await?;
     let proxy = AmqpProxy::start(([127, 0, 0, 1], node.port()).into()).await?;
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
     let topo = &broker.topo;
     let a_id = format!("{cluster}-a");
@@ -762,7 +766,9 @@ async fn a_connection_dropped_at_any_protocol_step_neither_loses_nor_duplicates_
     let b_dir = dir.path().join("b");
     std::fs::create_dir_all(&a_dir)?;
     std::fs::create_dir_all(&b_dir)?;
-    let url = proxy.url("guest", "guest");
+    // Agent A through the proxy, agent B (when it runs) directly.
+    let agent = &accounts::suite().agent;
+    let url = proxy.url(&agent.user, &agent.password);
     let _a = AgentLaunch {
         url: &url,
         cluster: &cluster,
@@ -784,7 +790,7 @@ async fn a_connection_dropped_at_any_protocol_step_neither_loses_nor_duplicates_
     .await
     .with_context(|| std::fs::read_to_string(&a_log).unwrap_or_default())?;
     let mut env = Env {
-        url: node.url(),
+        url: node.role_url(Role::Agent),
         broker: &broker,
         proxy: &proxy,
         names,
@@ -858,8 +864,20 @@ async fn a_cut_before_a_publish_confirm_drops_only_that_connection_after_the_bro
     let node = RabbitNode::start_new(NodeOptions::default()).await?;
     let proxy = AmqpProxy::start(([127, 0, 0, 1], node.port()).into()).await?;
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&node.url(), &cluster, &[]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[]).await?;
+    // An exchange and queue of the cluster's: the controller's account,
+    // which the clients below use, reaches nothing else.
     let queue = format!("{cluster}.proxy-test");
+    let exchange = queue.clone();
+    broker
+        .ch
+        .exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     broker
         .ch
         .queue_declare(
@@ -868,8 +886,19 @@ async fn a_cut_before_a_publish_confirm_drops_only_that_connection_after_the_bro
             FieldTable::default(),
         )
         .await?;
+    broker
+        .ch
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let controller = &accounts::suite().controller;
     let cfg = BrokerConfig {
-        url: proxy.url("guest", "guest"),
+        url: proxy.url(&controller.user, &controller.password),
         ..Default::default()
     };
     let victim = connect(&cfg, "victim").await?;
@@ -881,7 +910,7 @@ async fn a_cut_before_a_publish_confirm_drops_only_that_connection_after_the_bro
     // A publish elsewhere is confirmed: the rule ignores it.
     publish_confirmed(
         &vch,
-        "",
+        &exchange,
         &format!("{queue}-none"),
         b"x",
         props.clone(),
@@ -889,8 +918,10 @@ async fn a_cut_before_a_publish_confirm_drops_only_that_connection_after_the_bro
         wait,
     )
     .await?;
-    let rule = proxy.add_rule(Rule::new(Target::ConfirmOf(Pred::publish("", &queue))));
-    let r = publish_confirmed(&vch, "", &queue, b"one", props.clone(), false, wait).await;
+    let rule = proxy.add_rule(Rule::new(Target::ConfirmOf(Pred::publish(
+        &exchange, &queue,
+    ))));
+    let r = publish_confirmed(&vch, &exchange, &queue, b"one", props.clone(), false, wait).await;
     ensure!(r.is_err(), "the publish was confirmed through the cut");
     let f = proxy
         .wait_fired(rule, wait)
@@ -906,15 +937,19 @@ async fn a_cut_before_a_publish_confirm_drops_only_that_connection_after_the_bro
         "the broker did not queue the message"
     );
     // The other connection, and a new one, pass through.
-    publish_confirmed(&bch, "", &queue, b"two", props.clone(), false, wait).await?;
+    publish_confirmed(&bch, &exchange, &queue, b"two", props.clone(), false, wait).await?;
     let fresh = connect(&cfg, "fresh").await?;
     let fch = confirm_channel(&fresh).await?;
-    publish_confirmed(&fch, "", &queue, b"three", props, false, wait).await?;
+    publish_confirmed(&fch, &exchange, &queue, b"three", props, false, wait).await?;
     ensure!(queue_state(&broker, &queue).await?.0 == 3);
     ensure!(proxy.matches(rule) == 1 && proxy.unparsed_connections() == 0);
     let _ = broker
         .ch
         .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    let _ = broker
+        .ch
+        .exchange_delete(exchange.as_str().into(), Default::default())
         .await;
     broker.cleanup().await;
     Ok(())

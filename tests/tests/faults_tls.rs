@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use vq_common::config::BrokerConfig;
+use vq_tests::accounts;
 use vq_tests::harness::{
     build_bin, ensure_test_user, job, require_root, unique_cluster, wait_agent_up, AgentLaunch,
     TestBroker,
@@ -33,7 +34,8 @@ use vq_tests::harness::{
 use vq_tests::rabbit_node::{NodeOptions, RabbitNode, TlsListener};
 
 const POOL: &str = "tls";
-const TRUST_GUEST: &str = "slots = 1\n[submitters]\ntrusted = [\"guest\"]\n";
+/// Config of every agent here (the harness adds the suite's trust).
+const AGENT_TOML: &str = "slots = 1\n";
 
 fn openssl(dir: &Path, args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("openssl")
@@ -186,8 +188,9 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
     })
     .await?;
     let tls_port = node.tls_port().context("no TLS port")?;
-    // guest may log in from loopback only: localhost is loopback.
-    let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
+    // The suite's agent account, over TLS.
+    let agent = &accounts::suite().agent;
+    let tls_url = agent.url(&format!("amqps://localhost:{tls_port}/%2f"));
 
     // The library: the right CA connects, a wrong one fails fast.
     let cfg = |ca: &Path| BrokerConfig {
@@ -217,7 +220,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
 
     // An agent over amqps with the right CA runs a job.
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
     let good_dir = tempfile::tempdir()?;
     let good_log = good_dir.path().join("agent.log");
@@ -228,7 +231,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         cluster: &cluster,
         pool: POOL,
         agent_id: &good_id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: &broker_toml,
         dir: good_dir.path(),
         stderr: Some(&good_log),
@@ -243,7 +246,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         )
     })?;
     let j = job(POOL, &alice.name, "tls", "echo over-tls\n");
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     let fin = tap
         .job_event(&j.id, "finished", Duration::from_secs(30))
         .await?;
@@ -264,7 +267,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         cluster: &cluster,
         pool: POOL,
         agent_id: &bad_id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: &broker_toml,
         dir: bad_dir.path(),
         stderr: Some(&bad_log),
@@ -283,7 +286,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         "the agent's error does not name the certificate problem: {line}"
     );
     ensure!(
-        line.contains(&format!("localhost:{tls_port}")) && !line.contains("guest:guest"),
+        line.contains(&format!("localhost:{tls_port}")) && !line.contains(&agent.password),
         "the agent's error does not name the (redacted) broker URL: {line}"
     );
     let heard = tap
@@ -308,7 +311,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         cluster: &cluster,
         pool: POOL,
         agent_id: &sys_id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: "",
         dir: sys_dir.path(),
         stderr: Some(&sys_log),
@@ -333,7 +336,7 @@ async fn agents_connect_over_tls_with_the_configured_ca_and_fail_fast_with_a_wro
         cluster: &cluster,
         pool: POOL,
         agent_id: &only_id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: &broker_toml,
         dir: only_dir.path(),
         stderr: Some(&only_log),
@@ -630,7 +633,9 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
     })
     .await?;
     let tls_port = node.tls_port().context("no TLS port")?;
-    let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
+    let tls_url = accounts::suite()
+        .agent
+        .url(&format!("amqps://localhost:{tls_port}/%2f"));
     let cfg = |client: Option<&str>| BrokerConfig {
         url: tls_url.clone(),
         ca_file: Some(good_ca.clone()),
@@ -683,7 +688,7 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
 
     // An agent with the client certificate runs a job.
     let cluster = unique_cluster();
-    let broker = TestBroker::connect_url(&node.url(), &cluster, &[POOL]).await?;
+    let broker = TestBroker::connect_at(&node.broker(), &cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("agent.log");
@@ -699,7 +704,7 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
         cluster: &cluster,
         pool: POOL,
         agent_id: &id,
-        extra_toml: TRUST_GUEST,
+        extra_toml: AGENT_TOML,
         broker_toml: &broker_toml,
         dir: dir.path(),
         stderr: Some(&log),
@@ -714,7 +719,7 @@ async fn client_certificates_are_presented_when_the_broker_requires_them() -> an
         )
     })?;
     let j = job(POOL, &alice.name, "mtls", "echo over-mutual-tls\n");
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     let fin = tap
         .job_event(&j.id, "finished", Duration::from_secs(30))
         .await?;

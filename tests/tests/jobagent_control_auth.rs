@@ -2,31 +2,16 @@
 //! `control_admins` may drain or ask an agent to go; a user may cancel only
 //! a job they own or submitted. Root only (the agent switches users).
 
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{ensure, Context};
-use vq_common::amqp::{confirm_channel, connect, json_properties, publish_confirmed};
-use vq_common::config::BrokerConfig;
-use vq_common::messages::{Control, Message};
+use anyhow::ensure;
+use vq_common::messages::Control;
+use vq_tests::accounts;
 use vq_tests::harness::{
     ensure_test_user, job, require_root, start_agent, unique_cluster, wait_agent_up, TestBroker,
 };
 
 const POOL: &str = "ctl";
-
-fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .context("run rabbitmqctl")?;
-    ensure!(
-        out.status.success() || String::from_utf8_lossy(&out.stderr).contains("already exists"),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
@@ -36,21 +21,10 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
     }
     let alice = ensure_test_user("vqt-alice", 2001)?;
     let cluster = unique_cluster();
-    // mallory may write control messages (as `vq cancel` users can) but is
-    // neither an admin nor alice.
-    let (user, pass) = ("vqt-mallory", "mallory-secret");
-    rabbitmqctl(&["-q", "add_user", user, pass])?;
-    rabbitmqctl(&["-q", "change_password", user, pass])?;
-    rabbitmqctl(&[
-        "-q",
-        "set_permissions",
-        "-p",
-        "/",
-        user,
-        "^$",
-        &format!(r"^{cluster}\.control$"),
-        "^$",
-    ])?;
+    // mallory, the suite's untrusted submitter, may write control messages
+    // (as `vq cancel` users can) but is neither an admin nor alice nor the
+    // job's submitter.
+    let mallory = &accounts::suite().untrusted;
 
     let broker = TestBroker::connect(&cluster, &[POOL]).await?;
     let mut tap = broker.tap_events().await?;
@@ -59,24 +33,15 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
         &cluster,
         POOL,
         &agent_id,
-        "slots = 2\nkill_grace_secs = 1\n[submitters]\ntrusted = [\"guest\"]\n",
+        "slots = 2\nkill_grace_secs = 1\n",
         &[],
     )?;
     wait_agent_up(&mut tap, &agent_id).await?;
     let long = job(POOL, &alice.name, "long", "sleep 30\n");
-    broker.publish_job(&long, Some("guest")).await?;
+    broker.publish_job(&long).await?;
     tap.job_event(&long.id, "started", Duration::from_secs(20))
         .await?;
 
-    let mallory = connect(
-        &BrokerConfig {
-            url: format!("amqp://{user}:{pass}@127.0.0.1:5672/%2f"),
-            ..Default::default()
-        },
-        "vq-tests-mallory",
-    )
-    .await?;
-    let ch = confirm_channel(&mallory).await?;
     for msg in [
         Control::Cancel {
             job_id: long.id.clone(),
@@ -88,21 +53,12 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
             request_id: "m2".into(),
         },
     ] {
-        publish_confirmed(
-            &ch,
-            &broker.topo.control_exchange(),
-            &agent_id,
-            &msg.encode(),
-            json_properties::<Control>().with_user_id(user.into()),
-            true,
-            Duration::from_secs(10),
-        )
-        .await?;
+        broker.publish_control_as(mallory, &agent_id, &msg).await?;
     }
     // None of it takes effect: no answer, the job keeps running, and the
     // agent still pulls (a second job starts).
     let second = job(POOL, &alice.name, "second", "echo ok\n");
-    broker.publish_job(&second, Some("guest")).await?;
+    broker.publish_job(&second).await?;
     tap.job_event(&second.id, "finished", Duration::from_secs(20))
         .await?;
     ensure!(
@@ -112,9 +68,10 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
         "a non-admin's control message took effect: {:?}",
         tap.seen.iter().map(|(k, _)| k).collect::<Vec<_>>()
     );
-    // The submitter (guest, trusted here) may cancel.
+    // The job's submitter (the suite's bridge, no admin) may cancel.
     broker
-        .publish_control(
+        .publish_control_as(
+            &accounts::suite().submitter,
             &agent_id,
             &Control::Cancel {
                 job_id: long.id.clone(),
@@ -126,8 +83,6 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
         .await?;
     ensure!(ev["outcome"]["kind"] == "cancelled", "{ev}");
 
-    mallory.close(200, "done".into()).await.ok();
-    rabbitmqctl(&["-q", "delete_user", user])?;
     broker.cleanup().await;
     Ok(())
 }

@@ -8,45 +8,15 @@
 use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
-use vq_common::messages::{Control, Join};
-use vq_tests::harness::{
-    ensure_test_user, job, require_root, start_agent, unique_cluster, wait_agent_up, AgentProcess,
-    EventTap, TestBroker, TestUser,
-};
+use vq_common::messages::{Control, Join, Message};
+use vq_tests::accounts;
+use vq_tests::harness::{ensure_test_user, job, one_agent, require_root, OneAgent};
 
 const POOL: &str = "batch";
 const EVENT_WAIT: Duration = Duration::from_secs(30);
 
-/// Config shared by the tests: trust the `guest` broker user as a bridge.
-const TRUST_GUEST: &str = "[submitters]\ntrusted = [\"guest\"]\n";
-
-struct Setup {
-    broker: TestBroker,
-    tap: EventTap,
-    agent: AgentProcess,
-    alice: TestUser,
-}
-
-async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<Setup> {
-    let alice = ensure_test_user("vqt-alice", 2001)?;
-    let cluster = unique_cluster();
-    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
-    let mut tap = broker.tap_events().await?;
-    let agent_id = format!("{cluster}-a1");
-    let agent = start_agent(
-        &cluster,
-        POOL,
-        &agent_id,
-        &format!("{top_level}\n{TRUST_GUEST}"),
-        env,
-    )?;
-    wait_agent_up(&mut tap, &agent_id).await?;
-    Ok(Setup {
-        broker,
-        tap,
-        agent,
-        alice,
-    })
+async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<OneAgent> {
+    one_agent(POOL, top_level, env).await
 }
 
 fn read(path: &std::path::Path) -> String {
@@ -74,7 +44,7 @@ async fn a_job_runs_as_its_owner_with_a_clean_pbs_environment() -> anyhow::Resul
                   exit 3\n";
     let mut j = job(POOL, &s.alice.name, "envcheck", script);
     j.env.insert("FROM_JOB".into(), "yes".into());
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
 
     let started = s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
     assert_eq!(started["owner"], s.alice.name.as_str());
@@ -133,7 +103,7 @@ async fn join_oe_writes_both_streams_into_the_stdout_file() -> anyhow::Result<()
         "echo out1\necho err1 >&2\necho out2\n",
     );
     j.join = Join::Oe;
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["code"], 0, "{fin}");
     let out_path = s.alice.home.join(format!("joined.o{}", j.seq()));
@@ -158,12 +128,20 @@ async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> any
     let unknown = job(POOL, "vqt-nosuchuser", "ghost", "true");
     let low_uid = job(POOL, &low.name, "lowuid", "true");
     let no_submitter = job(POOL, &s.alice.name, "anon", "true");
-    s.broker.publish_job(&as_root, Some("guest")).await?;
-    s.broker.publish_job(&unknown, Some("guest")).await?;
-    s.broker.publish_job(&low_uid, Some("guest")).await?;
-    s.broker.publish_job(&no_submitter, None).await?;
+    let untrusted = job(POOL, &s.alice.name, "untrusted", "true");
+    s.broker.publish_job(&as_root).await?;
+    s.broker.publish_job(&unknown).await?;
+    s.broker.publish_job(&low_uid).await?;
     s.broker
-        .publish_raw_job(POOL, b"{this is not json", Some("guest"), "malformed-1")
+        .publish_raw_job(POOL, &no_submitter.encode(), None, &no_submitter.id)
+        .await?;
+    // A broker user that is neither alice nor trusted.
+    s.broker
+        .publish_job_as(&accounts::suite().untrusted, &untrusted)
+        .await?;
+    let submitter = s.broker.submitter_user()?.to_string();
+    s.broker
+        .publish_raw_job(POOL, b"{this is not json", Some(&submitter), "malformed-1")
         .await?;
 
     for (id, needle) in [
@@ -171,6 +149,7 @@ async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> any
         (unknown.id.as_str(), "does not exist"),
         (low_uid.id.as_str(), "below min_uid"),
         (no_submitter.id.as_str(), "user_id"),
+        (untrusted.id.as_str(), "may not submit jobs for owner"),
         ("malformed-1", "cannot be decoded"),
     ] {
         let ev = s.tap.job_event(id, "failed", EVENT_WAIT).await?;
@@ -183,12 +162,12 @@ async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> any
 
     // The agent still runs a good job afterwards.
     let good = job(POOL, &s.alice.name, "good", "exit 0");
-    s.broker.publish_job(&good, Some("guest")).await?;
+    s.broker.publish_job(&good).await?;
     let fin = s.tap.job_event(&good.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["code"], 0, "{fin}");
 
     let dead = s.broker.take_dead().await?;
-    assert_eq!(dead.len(), 5, "dead letters: {dead:#?}");
+    assert_eq!(dead.len(), 6, "dead letters: {dead:#?}");
     for d in &dead {
         assert!(!d.headers["x-vq-reason"].is_empty());
         assert_eq!(d.headers["x-vq-dead-by"], s.agent.agent_id);
@@ -202,7 +181,7 @@ async fn bad_jobs_are_refused_dead_lettered_and_the_agent_keeps_running() -> any
         "root",
         "the original body is dead-lettered"
     );
-    assert_eq!(root_dead.headers["x-vq-submitter"], "guest");
+    assert_eq!(root_dead.headers["x-vq-submitter"], submitter);
     assert!(
         s.agent.guard.try_wait().is_none(),
         "agent must keep running"
@@ -237,7 +216,7 @@ async fn an_output_flood_is_cut_at_the_cap_and_the_job_is_stopped() -> anyhow::R
     let mut joined = job(POOL, &s.alice.name, "floodoe", "yes &\nyes >&2\n");
     joined.join = Join::Oe;
     for j in [&flood, &joined] {
-        s.broker.publish_job(j, Some("guest")).await?;
+        s.broker.publish_job(j).await?;
         let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
         assert_eq!(fin["outcome"]["kind"], "output_limit", "{fin}");
         let out = s.alice.home.join(format!("{}.o{}", j.name, j.seq()));
@@ -272,7 +251,7 @@ async fn walltime_kills_a_job_that_runs_too_long() -> anyhow::Result<()> {
     let mut s = setup("kill_grace_secs = 1", &[]).await?;
     let mut j = job(POOL, &s.alice.name, "sleeper", "sleep 100\n");
     j.walltime = Some(2);
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "walltime", "{fin}");
     let wall = fin["usage"]["wall_secs"].as_f64().unwrap();
@@ -326,7 +305,7 @@ async fn an_idle_agent_agrees_to_be_deleted_and_stops_pulling() -> anyhow::Resul
 
     // It no longer takes jobs.
     let j = job(POOL, &s.alice.name, "notaken", "true");
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let queued = s.broker.queue_len(&s.broker.topo.pool_queue(POOL)).await?;
     assert_eq!(queued, 1, "the job must stay queued");
@@ -345,7 +324,7 @@ async fn a_busy_agent_refuses_deletion_and_cancel_stops_its_job() -> anyhow::Res
     let mut s = setup("kill_grace_secs = 1", &[]).await?;
     let agent = s.agent.agent_id.clone();
     let j = job(POOL, &s.alice.name, "busy", "sleep 60\n");
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
     s.broker
         .publish_control(
@@ -379,7 +358,7 @@ async fn a_busy_agent_refuses_deletion_and_cancel_stops_its_job() -> anyhow::Res
 
     // Still pulling after saying no: a new job runs.
     let next = job(POOL, &s.alice.name, "after", "exit 0");
-    s.broker.publish_job(&next, Some("guest")).await?;
+    s.broker.publish_job(&next).await?;
     s.tap.job_event(&next.id, "finished", EVENT_WAIT).await?;
     let _ = std::fs::remove_file(s.alice.home.join(format!("after.o{}", next.seq())));
     let _ = std::fs::remove_file(s.alice.home.join(format!("after.e{}", next.seq())));
@@ -409,7 +388,7 @@ async fn a_running_job_survives_a_lost_broker_connection_and_runs_once() -> anyh
         "survivor",
         "sleep 4\necho finished-ok\n",
     );
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
     let closed = tokio::task::spawn_blocking(move || {
         vq_tests::harness::close_broker_connections(&format!("jobagent {agent}"))

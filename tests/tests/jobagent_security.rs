@@ -18,43 +18,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use vq_common::messages::Join;
+use vq_common::topology::Role;
 use vq_tests::harness::{
-    broker_url, ensure_group, ensure_test_user, job, require_root, start_agent, start_agent_in,
-    start_agent_wrapped, unique_cluster, wait_agent_up, AgentProcess, ChildGuard, EventTap,
-    TestBroker, TestUser,
+    broker_url, ensure_group, ensure_test_user, job, one_agent, require_root, start_agent_in,
+    start_agent_wrapped, unique_cluster, wait_agent_up, ChildGuard, EventTap, OneAgent, TestBroker,
 };
 
 const POOL: &str = "sec";
 const EVENT_WAIT: Duration = Duration::from_secs(30);
-const TRUST_GUEST: &str = "[submitters]\ntrusted = [\"guest\"]\n";
 
-struct Setup {
-    broker: TestBroker,
-    tap: EventTap,
-    agent: AgentProcess,
-    alice: TestUser,
-}
-
-async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<Setup> {
-    let alice = ensure_test_user("vqt-alice", 2001)?;
-    let cluster = unique_cluster();
-    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
-    let mut tap = broker.tap_events().await?;
-    let agent_id = format!("{cluster}-s1");
-    let agent = start_agent(
-        &cluster,
-        POOL,
-        &agent_id,
-        &format!("kill_grace_secs = 1\n{top_level}\n{TRUST_GUEST}"),
-        env,
-    )?;
-    wait_agent_up(&mut tap, &agent_id).await?;
-    Ok(Setup {
-        broker,
-        tap,
-        agent,
-        alice,
-    })
+async fn setup(top_level: &str, env: &[(&str, &str)]) -> anyhow::Result<OneAgent> {
+    one_agent(POOL, &format!("kill_grace_secs = 1\n{top_level}"), env).await
 }
 
 fn read(path: &Path) -> String {
@@ -251,7 +225,7 @@ async fn a_user_known_only_to_a_non_files_nss_source_runs_with_its_groups() -> a
         "id -u\nid -g\nid -G\necho HOME=$HOME\n",
     );
     j.group = Some(EXT_GROUP.into());
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     let out = read(&home.join(format!("extuser.o{}", j.seq())));
@@ -309,7 +283,7 @@ async fn hostile_owners_groups_and_variables_are_refused_with_reasons() -> anyho
         &missing_dir,
         &relative,
     ] {
-        s.broker.publish_job(j, Some("guest")).await?;
+        s.broker.publish_job(j).await?;
     }
     for (id, needle) in [
         (numeric.id.as_str(), "does not exist"),
@@ -399,7 +373,7 @@ async fn files_are_opened_as_the_owner_and_root_cannot_be_regained() -> anyhow::
     let mut hostile = job(POOL, &alice.name, "hostile", &script);
     hostile.env.insert("LD_PRELOAD".into(), "".into());
     for j in [&symlink_job, &unwritable, &unenterable, &hostile] {
-        s.broker.publish_job(j, Some("guest")).await?;
+        s.broker.publish_job(j).await?;
     }
     for (j, needle) in [
         (&symlink_job, "open stdout"),
@@ -477,8 +451,8 @@ async fn a_fifo_at_the_output_path_is_refused_and_jobs_inherit_no_agent_descript
         "fds",
         "ls -l /proc/$$/fd/ > \"$HOME/fds.list\"\ncat \"$HOME/fds.list\"\n",
     );
-    s.broker.publish_job(&fifo_job, Some("guest")).await?;
-    s.broker.publish_job(&fds_job, Some("guest")).await?;
+    s.broker.publish_job(&fifo_job).await?;
+    s.broker.publish_job(&fds_job).await?;
     let fin = s
         .tap
         .job_event(&fifo_job.id, "finished", EVENT_WAIT)
@@ -519,8 +493,8 @@ async fn a_fifo_at_the_output_path_is_refused_and_jobs_inherit_no_agent_descript
         "fds",
         "ls -l /proc/$$/fd/ > \"$HOME/fds.list\"\ncat \"$HOME/fds.list\"\n",
     );
-    s.broker.publish_job(&fifo_job, Some("guest")).await?;
-    s.broker.publish_job(&fds_job, Some("guest")).await?;
+    s.broker.publish_job(&fifo_job).await?;
+    s.broker.publish_job(&fds_job).await?;
     let fin = s
         .tap
         .job_event(&fifo_job.id, "finished", EVENT_WAIT)
@@ -574,7 +548,7 @@ async fn output_over_the_cap_stops_the_job_and_oom_score_is_reset() -> anyhow::R
     let job_oom = agent_oom.trim().parse::<i32>()?.max(0);
 
     let flood = job(POOL, &s.alice.name, "flood", "yes vq-flood-output\n");
-    s.broker.publish_job(&flood, Some("guest")).await?;
+    s.broker.publish_job(&flood).await?;
     let fin = s.tap.job_event(&flood.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "output_limit", "{fin}");
     assert!(
@@ -591,7 +565,7 @@ async fn output_over_the_cap_stops_the_job_and_oom_score_is_reset() -> anyhow::R
         "oom",
         "cat /proc/self/oom_score_adj\n(echo -1000 > /proc/self/oom_score_adj) 2>/dev/null && echo LOWERED\ncat /proc/self/oom_score_adj\n",
     );
-    s.broker.publish_job(&oom, Some("guest")).await?;
+    s.broker.publish_job(&oom).await?;
     let fin = s.tap.job_event(&oom.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     let out = read(&s.alice.home.join(format!("oom.o{}", oom.seq())));
@@ -619,7 +593,7 @@ async fn escaped_processes_die_with_the_job(cgroups: bool) -> anyhow::Result<()>
          echo started\n"
     );
     let j = job(POOL, &s.alice.name, "escape", &script);
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     // The report comes after the leftovers are gone (grace 1 s).
@@ -638,7 +612,7 @@ async fn escaped_processes_die_with_the_job(cgroups: bool) -> anyhow::Result<()>
         &format!("( setsid sh -c 'trap \"\" TERM; sleep {tag}4' & )\nsleep {tag}5\n"),
     );
     w.walltime = Some(1);
-    s.broker.publish_job(&w, Some("guest")).await?;
+    s.broker.publish_job(&w).await?;
     let fin = s.tap.job_event(&w.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "walltime", "{fin}");
     let left = live_pids(s.alice.uid, &format!("sleep {tag}"));
@@ -677,11 +651,11 @@ fn start_agent_with_state(
     extra: &str,
 ) -> anyhow::Result<ChildGuard> {
     start_agent_in(
-        &broker_url(),
+        &broker_url(Role::Agent)?,
         cluster,
         POOL,
         agent_id,
-        &format!("kill_grace_secs = 1\n{extra}\n{TRUST_GUEST}"),
+        &format!("kill_grace_secs = 1\n{extra}"),
         dir,
     )
 }
@@ -704,7 +678,7 @@ async fn leftovers_of_a_killed_agent(cgroups: bool) -> anyhow::Result<()> {
         &format!("setsid sleep {tag}1 &\nsleep {tag}2\n"),
     );
     j.rerunnable = false;
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     tap.job_event(&j.id, "started", EVENT_WAIT).await?;
     // Let the agent see the escaped process (checked every second).
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -806,7 +780,7 @@ async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_
         &cluster,
         POOL,
         &agent_id,
-        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        "kill_grace_secs = 1",
         &[],
         &[
             "keyctl",
@@ -835,7 +809,7 @@ async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_
             probe("vq-root-key", "root")
         ),
     );
-    broker.publish_job(&a, Some("guest")).await?;
+    broker.publish_job(&a).await?;
     let fin = tap.job_event(&a.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     let out_a = read(&alice.home.join(format!("keya.o{}", a.seq())));
@@ -849,7 +823,7 @@ async fn every_job_gets_its_own_session_keyring_so_no_key_of_root_or_of_another_
             probe("vq-root-key", "root")
         ),
     );
-    broker.publish_job(&b, Some("guest")).await?;
+    broker.publish_job(&b).await?;
     let fin = tap.job_event(&b.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     let out_b = read(&bob.home.join(format!("keyb.o{}", b.seq())));
@@ -887,7 +861,7 @@ async fn a_job_of_an_agent_started_with_signals_ignored_starts_with_default_sign
         &cluster,
         POOL,
         &agent_id,
-        &format!("kill_grace_secs = 1\n{TRUST_GUEST}"),
+        "kill_grace_secs = 1",
         &[],
         &[
             "sh",
@@ -909,7 +883,7 @@ async fn a_job_of_an_agent_started_with_signals_ignored_starts_with_default_sign
         "signals",
         "grep -E '^Sig(Ign|Blk):' /proc/self/status\n",
     );
-    broker.publish_job(&j, Some("guest")).await?;
+    broker.publish_job(&j).await?;
     let fin = tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
     let out = read(&alice.home.join(format!("signals.o{}", j.seq())));
@@ -936,7 +910,7 @@ async fn a_fork_bomb_stops_at_the_process_limit(cgroups: bool) -> anyhow::Result
          print \"forked $n\\n\"; sleep 120'\n"
     );
     let j = job(POOL, &forker.name, "forkbomb", &script);
-    s.broker.publish_job(&j, Some("guest")).await?;
+    s.broker.publish_job(&j).await?;
     s.tap.job_event(&j.id, "started", EVENT_WAIT).await?;
     let out_path = forker.home.join(format!("forkbomb.o{}", j.seq()));
     // Synchronise on the job's report (it prints once its forks are done).
@@ -1026,7 +1000,7 @@ async fn workdir_and_shell_paths_the_owner_cannot_reach_fail_alike_whether_or_no
         } else {
             j.shell = Some(path.display().to_string());
         }
-        s.broker.publish_job(&j, Some("guest")).await?;
+        s.broker.publish_job(&j).await?;
         jobs.push((j, path.display().to_string()));
     }
     let mut reasons = Vec::new();

@@ -1,8 +1,11 @@
-//! The `vq` CLI against the real RabbitMQ (`VQ_TEST_BROKER_URL`, default the
-//! local guest account), each test under a fresh random cluster name.
+//! The `vq` CLI against the shared RabbitMQ, each test under a fresh random
+//! cluster name: `vq` logs in as the suite's submitter, the test declares
+//! the topology as the controller does (the suite's controller account) and
+//! plays the agent with the agent account (it takes the job from the pool
+//! queue and publishes the job events an agent would).
 //!
-//! The agent's side is played by the test: it takes the job from the pool
-//! queue and publishes the job events an agent would.
+//! Root (rabbitmqctl creates the broker accounts): `cargo test -p vq-tests
+//! --test cli_submit -- --include-ignored`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -10,43 +13,66 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use lapin::options::{
-    BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use vq_cli::events::read_job_events;
 use vq_cli::submit::{build_job, new_job_id, publish_job, SubmitContext};
 use vq_cli::CliError;
 use vq_common::amqp;
-use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Job, JobEvent, JobState, Message, Outcome, Usage};
 use vq_common::pbs::Directives;
-use vq_common::topology::{job_event_key, Topology};
+use vq_common::topology::{job_event_key, Role, Topology};
+use vq_tests::harness::{
+    broker_url, build_bin, connect_role, require_root, shared_broker, unique_cluster, TestBroker,
+};
 
-fn broker_url() -> String {
-    std::env::var("VQ_TEST_BROKER_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+/// The broker user `vq` logs in as (the suite's submitter).
+fn submitter_user() -> String {
+    vq_tests::accounts::suite().submitter.user.clone()
 }
 
-fn broker() -> BrokerConfig {
-    BrokerConfig {
-        url: broker_url(),
-        ..BrokerConfig::default()
+/// The test's sides of a cluster: the topology declared as the controller,
+/// and a connection as the agent.
+struct Sides {
+    broker: TestBroker,
+    agent: lapin::Connection,
+    agent_ch: lapin::Channel,
+}
+
+impl Sides {
+    async fn new(pools: &[&str]) -> Sides {
+        let broker = TestBroker::connect(&unique_cluster(), pools).await.unwrap();
+        let (agent, agent_ch) =
+            connect_role(&shared_broker().unwrap(), Role::Agent, "vq-cli-test agent")
+                .await
+                .unwrap();
+        Sides {
+            broker,
+            agent,
+            agent_ch,
+        }
+    }
+
+    fn topo(&self) -> &Topology {
+        &self.broker.topo
+    }
+
+    async fn cleanup(self) {
+        let _ = self.agent.close(200, "bye".into()).await;
+        self.broker.cleanup().await;
     }
 }
 
-fn broker_user() -> String {
-    broker_url()
-        .parse::<lapin::uri::AMQPUri>()
-        .unwrap()
-        .authority
-        .userinfo
-        .username
-}
-
-fn cluster() -> String {
-    format!("vqcli{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+/// A connection as the suite's submitter and a confirm channel on it (the
+/// library's `publish_job`, as `vq submit` calls it).
+async fn submitter() -> (lapin::Connection, lapin::Channel) {
+    connect_role(
+        &shared_broker().unwrap(),
+        Role::Submitter,
+        "vq-cli-test submitter",
+    )
+    .await
+    .unwrap()
 }
 
 fn ctx(cluster: &str) -> SubmitContext {
@@ -59,35 +85,8 @@ fn ctx(cluster: &str) -> SubmitContext {
         host: "ui01".into(),
         env: BTreeMap::new(),
         now: 1_700_000_000,
-        broker_url: broker_url(),
+        broker_url: broker_url(Role::Submitter).unwrap(),
         is_dir: |_| false,
-    }
-}
-
-/// Deletes everything `declare_topology` created for `pools`.
-async fn cleanup(conn: &lapin::Connection, topo: &Topology, pools: &[&str]) {
-    let ch = conn.create_channel().await.unwrap();
-    let mut queues = vec![
-        topo.dead_queue(),
-        topo.event_log_queue(),
-        topo.demand_queue(),
-    ];
-    queues.extend(pools.iter().map(|p| topo.pool_queue(p)));
-    for q in queues {
-        let _ = ch
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
-    for e in [
-        topo.jobs_exchange(),
-        topo.dead_exchange(),
-        topo.events_exchange(),
-        topo.demand_exchange(),
-        topo.control_exchange(),
-    ] {
-        let _ = ch
-            .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
-            .await;
     }
 }
 
@@ -135,8 +134,8 @@ fn event(job: &Job, agent: &str, state: JobState) -> JobEvent {
 }
 
 fn vq(cluster: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vq"));
-    cmd.env("VQ_BROKER_URL", broker_url())
+    let mut cmd = Command::new(build_bin("vq-cli", "vq").unwrap());
+    cmd.env("VQ_BROKER_URL", broker_url(Role::Submitter).unwrap())
         .env("VQ_CLUSTER", cluster)
         .env("XDG_CONFIG_HOME", "/nonexistent")
         .env_remove("VQ_CONTROLLER_URL");
@@ -144,11 +143,14 @@ fn vq(cluster: &str) -> Command {
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn a_submitted_job_lands_in_its_pool_queue_with_validated_ids() {
-    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
-    let ch = amqp::confirm_channel(&conn).await.unwrap();
-    let topo = Topology::new(cluster());
-    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+    if !require_root() {
+        return;
+    }
+    let sides = Sides::new(&["p1"]).await;
+    let topo = sides.topo();
+    let (conn, ch) = submitter().await;
 
     let built = build_job(
         b"#!/bin/sh\n#PBS -N t1\n#PBS -q p1\n#PBS -l walltime=00:01:00\necho hi\n",
@@ -158,11 +160,11 @@ async fn a_submitted_job_lands_in_its_pool_queue_with_validated_ids() {
     )
     .unwrap();
     let job = built.job;
-    publish_job(&ch, &topo, &job, &broker_user(), Duration::from_secs(10))
+    publish_job(&ch, topo, &job, &submitter_user(), Duration::from_secs(10))
         .await
         .unwrap();
 
-    let got = get_one(&ch, &topo.pool_queue("p1")).await;
+    let got = get_one(&sides.agent_ch, &topo.pool_queue("p1")).await;
     let props = &got.delivery.properties;
     assert_eq!(
         props.message_id().as_ref().map(|s| s.as_str()),
@@ -170,7 +172,7 @@ async fn a_submitted_job_lands_in_its_pool_queue_with_validated_ids() {
     );
     assert_eq!(
         props.user_id().as_ref().map(|s| s.to_string()),
-        Some(broker_user())
+        Some(submitter_user())
     );
     assert_eq!(
         props.content_type().as_ref().map(|s| s.as_str()),
@@ -181,22 +183,25 @@ async fn a_submitted_job_lands_in_its_pool_queue_with_validated_ids() {
     assert_eq!(body, job);
     assert_eq!(body.walltime, Some(60));
 
-    cleanup(&conn, &topo, &["p1"]).await;
     let _ = conn.close(200, "bye".into()).await;
+    sides.cleanup().await;
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn unknown_pools_and_clusters_are_clear_errors() {
-    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
-    let ch = amqp::confirm_channel(&conn).await.unwrap();
-    let topo = Topology::new(cluster());
-    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+    if !require_root() {
+        return;
+    }
+    let sides = Sides::new(&["p1"]).await;
+    let topo = sides.topo();
+    let (conn, ch) = submitter().await;
 
     let mut job = build_job(b"true\n", "j", Directives::default(), &ctx(topo.cluster()))
         .unwrap()
         .job;
     job.pool = "nope".into();
-    let err = publish_job(&ch, &topo, &job, &broker_user(), Duration::from_secs(10))
+    let err = publish_job(&ch, topo, &job, &submitter_user(), Duration::from_secs(10))
         .await
         .unwrap_err();
     assert!(matches!(err, CliError::NoSuchPool { .. }), "{err:?}");
@@ -209,10 +214,16 @@ async fn unknown_pools_and_clusters_are_clear_errors() {
 
     // A cluster whose exchanges were never declared.
     let ch2 = amqp::confirm_channel(&conn).await.unwrap();
-    let other = Topology::new(cluster());
-    let err = publish_job(&ch2, &other, &job, &broker_user(), Duration::from_secs(10))
-        .await
-        .unwrap_err();
+    let other = Topology::new(unique_cluster());
+    let err = publish_job(
+        &ch2,
+        &other,
+        &job,
+        &submitter_user(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, CliError::NoSuchCluster { .. }), "{err:?}");
 
     // The binary says the same and exits 64.
@@ -232,18 +243,19 @@ async fn unknown_pools_and_clusters_are_clear_errors() {
     assert!(stderr.contains("no pool named \"nope\""), "{stderr}");
     assert!(out.stdout.is_empty());
 
-    cleanup(&conn, &topo, &["p1"]).await;
     let _ = conn.close(200, "bye".into()).await;
+    sides.cleanup().await;
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
-    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
-    let ch = amqp::confirm_channel(&conn).await.unwrap();
-    let topo = Topology::new(cluster());
-    amqp::declare_topology(&ch, &topo, ["default"])
-        .await
-        .unwrap();
+    if !require_root() {
+        return;
+    }
+    let sides = Sides::new(&["default"]).await;
+    let topo = sides.topo();
+    let ch = &sides.agent_ch;
 
     let dir = std::env::temp_dir().join(format!("vq-cli-{}", topo.cluster()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -259,7 +271,7 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
         .unwrap();
 
     // Play the agent.
-    let got = get_one(&ch, &topo.pool_queue("default")).await;
+    let got = get_one(ch, &topo.pool_queue("default")).await;
     let job = Job::decode(&got.delivery.data).unwrap();
     assert_eq!(job.name, "exit3");
     assert_eq!(job.workdir.as_deref(), Some(dir.to_str().unwrap()));
@@ -267,7 +279,7 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
         job.stdout,
         Some(format!("{}/exit3.o{}", dir.display(), job.seq()))
     );
-    publish_event(&ch, &topo, &event(&job, "agent-1", JobState::Started)).await;
+    publish_event(ch, topo, &event(&job, "agent-1", JobState::Started)).await;
     let finished = JobState::Finished {
         outcome: Outcome::Exited { code: 3 },
         usage: Usage {
@@ -275,7 +287,7 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
             ..Default::default()
         },
     };
-    publish_event(&ch, &topo, &event(&job, "agent-1", finished)).await;
+    publish_event(ch, topo, &event(&job, "agent-1", finished)).await;
 
     let out = tokio::task::spawn_blocking(move || child.wait_with_output())
         .await
@@ -286,8 +298,11 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), job.id);
     assert!(stderr.contains("started on agent-1"), "{stderr}");
 
-    // The event stream has both events, and vq stat shows the job.
-    let events = read_job_events(&conn, &topo).await.unwrap().unwrap();
+    // The event stream has both events (read as a submitter reads it), and
+    // vq stat shows the job.
+    let (reader, _) = submitter().await;
+    let events = read_job_events(&reader, topo).await.unwrap().unwrap();
+    let _ = reader.close(200, "bye".into()).await;
     assert_eq!(events.len(), 2);
     let out = vq(topo.cluster()).args(["stat", "-a"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -303,13 +318,16 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
     );
 
     std::fs::remove_dir_all(Path::new(&dir)).unwrap();
-    cleanup(&conn, &topo, &["default"]).await;
-    let _ = conn.close(200, "bye".into()).await;
+    sides.cleanup().await;
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn stat_without_a_stream_says_no_jobs() {
-    let out = vq(&cluster()).args(["stat"]).output().unwrap();
+    if !require_root() {
+        return;
+    }
+    let out = vq(&unique_cluster()).args(["stat"]).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -319,11 +337,14 @@ async fn stat_without_a_stream_says_no_jobs() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
-    let conn = amqp::connect(&broker(), "vq-cli-test").await.unwrap();
-    let ch = amqp::confirm_channel(&conn).await.unwrap();
-    let topo = Topology::new(cluster());
-    amqp::declare_topology(&ch, &topo, ["p1"]).await.unwrap();
+    if !require_root() {
+        return;
+    }
+    let sides = Sides::new(&["p1"]).await;
+    let topo = sides.topo();
+    let ch = &sides.agent_ch;
     // The agent's control queue.
     let control = topo.control_queue("ag1");
     ch.queue_declare(
@@ -359,7 +380,7 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         .unwrap()
         .unwrap()
         .name;
-    publish_event(&ch, &topo, &event(&job, "ag1", JobState::Started)).await;
+    publish_event(ch, topo, &event(&job, "ag1", JobState::Started)).await;
 
     let prefix = &job.id[..8];
     let out = vq(topo.cluster())
@@ -371,7 +392,7 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let got = get_one(&ch, &control).await;
+    let got = get_one(ch, &control).await;
     assert_eq!(
         Control::decode(&got.delivery.data).unwrap(),
         Control::Cancel {
@@ -384,7 +405,7 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
             .user_id()
             .as_ref()
             .map(|s| s.to_string()),
-        Some(broker_user())
+        Some(submitter_user())
     );
 
     let out = vq(topo.cluster())
@@ -399,7 +420,7 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let got = get_one(&ch, &control).await;
+    let got = get_one(ch, &control).await;
     assert!(matches!(
         Control::decode(&got.delivery.data).unwrap(),
         Control::Drain { .. }
@@ -412,38 +433,5 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("no agent named \"ghost\""), "{stderr}");
 
-    cleanup(&conn, &topo, &["p1"]).await;
-    let _ = conn.close(200, "bye".into()).await;
-}
-
-#[test]
-fn an_unreachable_broker_exits_69() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
-        .env("VQ_BROKER_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
-        .env("XDG_CONFIG_HOME", "/nonexistent")
-        .args(["stat"])
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(69),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-#[test]
-fn bad_usage_exits_64() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
-        .args(["submit", "-k", "oe", "x"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    let out = Command::new(env!("CARGO_BIN_EXE_vq"))
-        .env("XDG_CONFIG_HOME", "/nonexistent")
-        .args(["submit", "/nonexistent/script.pbs"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent/script.pbs"));
+    sides.cleanup().await;
 }

@@ -1,29 +1,35 @@
-//! Declares the topology on the real RabbitMQ (`VQ_TEST_BROKER_URL`, default
-//! the local guest account) under a random cluster name.
-
-#![cfg(feature = "amqp")]
+//! `vq_common::amqp` declares the topology on the shared RabbitMQ under a
+//! random cluster name, as the controller does: with the suite's
+//! controller account and its documented permissions.
+//!
+//! Root (rabbitmqctl creates the broker accounts): `cargo test -p vq-tests
+//! --test topology_broker -- --include-ignored`.
 
 use std::time::Duration;
 
 use vq_common::amqp::{self, AmqpError};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Demand, Message};
-use vq_common::topology::{ArgValue, Topology};
+use vq_common::topology::{ArgValue, Role, Topology};
+use vq_tests::harness::{broker_url, require_root, unique_cluster};
 
 fn broker() -> BrokerConfig {
     BrokerConfig {
-        url: std::env::var("VQ_TEST_BROKER_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        url: broker_url(Role::Controller).unwrap(),
         ..BrokerConfig::default()
     }
 }
 
 fn cluster() -> String {
-    format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    unique_cluster()
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn topology_is_declared_idempotently_and_routes_demand() {
+    if !require_root() {
+        return;
+    }
     let conn = amqp::connect(&broker(), "vq-common-test").await.unwrap();
     let ch = amqp::confirm_channel(&conn).await.unwrap();
     let topo = Topology::new(cluster());
@@ -88,7 +94,11 @@ async fn topology_is_declared_idempotently_and_routes_demand() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
 async fn a_queue_declared_with_other_arguments_names_the_argument() {
+    if !require_root() {
+        return;
+    }
     let conn = amqp::connect(&broker(), "vq-common-test").await.unwrap();
     let ch = amqp::confirm_channel(&conn).await.unwrap();
     let topo = Topology::new(cluster());
