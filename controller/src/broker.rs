@@ -22,6 +22,7 @@
 //! acks. Agents and the fence publish their own dead letters' events.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -787,6 +788,90 @@ impl Broker {
                 ),
             }
         }
+    }
+}
+
+/// Sends control messages to agents (the broker, or a fake in tests).
+pub trait Messenger: Send + Sync {
+    /// Sends `msg` to `agent`.
+    fn send_control(
+        &self,
+        agent: &str,
+        msg: &Control,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+
+    /// Records durably that `agent` is being fenced, before its server is
+    /// deleted, so that its leases are returned even if the controller
+    /// restarts right after the delete.
+    fn mark_fence(&self, agent: &str) -> impl Future<Output = Result<(), AmqpError>> + Send;
+}
+
+impl Messenger for Broker {
+    async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
+        Broker::send_control(self, agent, msg).await
+    }
+    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        Broker::mark_fence(self, agent).await
+    }
+}
+
+/// The broker operations the loop needs (the real [`Broker`] or a fake).
+/// No method has a default body: a fake implements the whole contract, so
+/// the fake tests run the fencing path, and a new implementation that
+/// forgot a method does not compile.
+pub trait BrokerApi: Messenger {
+    /// Connects if needed.
+    fn ensure_connected(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Ready messages in the pool's queue.
+    fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
+    /// Agent and demand state now.
+    fn snapshot(&self, now: Instant) -> EventSnapshot;
+    /// The broker's reason while it blocks publishing (see
+    /// [`crate::broker::Broker::blocked`]), else `None`.
+    fn blocked(&self) -> Option<String>;
+    /// A confirmed publish that makes a broker alarm visible (see
+    /// [`crate::broker::Broker::probe`]).
+    fn probe(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
+    fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send;
+    /// `(agent, pool)` entries of the registry (see
+    /// [`crate::broker::Broker::registered_agents`]).
+    fn registered_agents(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, AmqpError>> + Send;
+    /// Empties and deletes `agent`'s lease queue (see
+    /// [`crate::broker::Broker::fence`]).
+    fn fence(
+        &self,
+        agent: &str,
+        loss_limit: u32,
+    ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send;
+}
+
+impl BrokerApi for Broker {
+    async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        Broker::ensure_connected(self).await
+    }
+    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        Broker::queue_depth(self, pool).await
+    }
+    fn snapshot(&self, now: Instant) -> EventSnapshot {
+        Broker::snapshot(self, now)
+    }
+    fn blocked(&self) -> Option<String> {
+        Broker::blocked(self)
+    }
+    async fn probe(&self) -> Result<(), AmqpError> {
+        Broker::probe(self).await
+    }
+    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        Broker::pending_fences(self).await
+    }
+    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
+        Broker::registered_agents(self).await
+    }
+    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        Broker::fence(self, agent, loss_limit).await
     }
 }
 

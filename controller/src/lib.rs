@@ -13,6 +13,7 @@ pub mod backoff;
 pub mod broker;
 pub mod cli;
 pub mod error;
+pub mod fence;
 pub mod http;
 pub mod observe;
 pub mod openstack;
