@@ -18,6 +18,7 @@ pub mod http;
 pub mod observe;
 pub mod openstack;
 pub mod plan;
+pub mod policy;
 pub mod reconcile;
 pub mod status;
 

@@ -1,6 +1,8 @@
 //! The reconcile loop: every `interval_secs`, for each pool that is not
 //! backing off, observe (all or nothing), plan (pure), act, and publish the
-//! result on the status page and in the metrics. The loop keeps only soft
+//! result on the status page and in the metrics; a failed pool is backed
+//! off as [`crate::policy::error_policy`] says, and the leases of lost
+//! agents are returned ([`crate::fence`]). The loop keeps only soft
 //! state (backoff, cooldown instants, the event map): restarting the
 //! controller loses nothing and creates no duplicates.
 
@@ -12,7 +14,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use vq_common::amqp::AmqpError;
 use vq_common::config::{ControllerConfig, Microversion};
-use vq_common::error::chain;
 use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
@@ -25,6 +26,7 @@ use crate::http::{AppState, Metrics};
 use crate::observe::{assemble, Clock, CreatedWatch};
 use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Action, Class, Timing};
+use crate::policy::{error_policy, CycleError};
 use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
 
 /// How long a cycle may go on after a shutdown request, seconds.
@@ -118,18 +120,19 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         &self.broker
     }
 
-    fn fail_pool(
-        &mut self,
-        pool: &str,
-        now: Instant,
-        err: &(dyn std::error::Error + 'static),
-        retry_after: Option<Duration>,
-    ) {
+    /// Backs `pool` off after its cycle failed with `err`, as
+    /// [`error_policy`] says, and shows the whole cause chain on the status
+    /// page.
+    fn fail_pool(&mut self, pool: &str, now: Instant, err: CycleError<'_>) {
+        let next = error_policy(err);
         let b = self.backoff.get_mut(pool).expect("pool has a backoff");
-        let delay = b.failed(now, retry_after);
-        // The whole cause chain, in the log and on the status page.
-        let chain = chain(err);
-        tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
+        let delay = b.failed(now, next.at_least);
+        let chain = err.chain();
+        if next.permanent {
+            tracing::error!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "permanent error; check the pool's configuration, the cloud and the broker account");
+        } else {
+            tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
+        }
         let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
         if let Some(ps) = st.pools.get_mut(pool) {
             ps.last_error = Some(chain);
@@ -187,7 +190,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             self.note_broker_error(&e);
             let e = ObserveError::Broker(e);
             for p in &ready {
-                self.fail_pool(p, now, &e, None);
+                self.fail_pool(p, now, CycleError::Observe(&e));
             }
             summary.failed = ready;
             return summary;
@@ -206,7 +209,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     self.note_broker_error(&e);
                     let e = ObserveError::Probe(e);
                     for p in &ready {
-                        self.fail_pool(p, now, &e, None);
+                        self.fail_pool(p, now, CycleError::Observe(&e));
                     }
                     summary.failed = ready;
                     return summary;
@@ -246,10 +249,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Ok(s) => s,
             Err(e) => {
                 self.metrics.cloud_errors.inc();
-                let ra = e.retry_after();
                 let e = ObserveError::Servers(e);
                 for p in &ready {
-                    self.fail_pool(p, now, &e, ra);
+                    self.fail_pool(p, now, CycleError::Observe(&e));
                 }
                 summary.failed = ready;
                 return summary;
@@ -283,7 +285,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                         queue: Topology::new(self.cfg.cluster.clone()).pool_queue(&pool),
                         source,
                     };
-                    self.fail_pool(&pool, now, &e, None);
+                    self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
                     continue;
                 }
@@ -397,11 +399,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
             match report.errors.first() {
                 Some(e) => {
-                    let ra = e.retry_after();
-                    if !e.is_transient() {
-                        tracing::error!(pool = %pool, error = %e, "permanent error; check the pool's configuration and the cloud");
-                    }
-                    self.fail_pool(&pool, now, e, ra);
+                    self.fail_pool(&pool, now, CycleError::Act(e));
                     summary.failed.push(pool);
                 }
                 None => {
