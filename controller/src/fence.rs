@@ -17,8 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::Instant;
 use vq_common::amqp::AmqpError;
 
-use crate::broker::EventSnapshot;
-use crate::reconcile::BrokerApi;
+use crate::broker::{BrokerApi, EventSnapshot};
 
 /// Why an agent without a server is marked for fencing.
 #[derive(Debug, Clone, PartialEq)]
