@@ -22,13 +22,26 @@ fd_limit_ok() {
   n=$(timeout 20 rabbitmqctl -q eval 'proplists:get_value(total_limit, file_handle_cache:info([total_limit])).' 2>/dev/null || echo 0)
   [ "${n:-0}" -ge 10000 ] 2>/dev/null
 }
-if timeout 20 rabbitmqctl -q status >/dev/null 2>&1 && amqp_answers && fd_limit_ok; then
+healthy() {
+  timeout 20 rabbitmqctl -q status >/dev/null 2>&1 && amqp_answers && fd_limit_ok
+}
+if healthy; then
   exit 0
 fi
-# A node that runs but does not answer within 20 s is hung (seen once here
-# after hundreds of leftover test queues): stop it hard before starting a
-# fresh one, or the new node cannot take the name and the port.
+# A node that runs but fails the checks three times in a row, a minute
+# apart at most, is hung (seen once here after hundreds of leftover test
+# queues); one failed check is not enough: on a loaded 2-core machine
+# rabbitmqctl alone can take longer than its timeout. Stop a hung node
+# hard before starting a fresh one, or the new node cannot take the name
+# and the port.
 pids=$(pgrep -u rabbitmq -f 'beam.smp.*rabbit' || true)
+if [ -n "$pids" ]; then
+  for _ in 1 2; do
+    sleep 5
+    if healthy; then exit 0; fi
+  done
+  pids=$(pgrep -u rabbitmq -f 'beam.smp.*rabbit' || true)
+fi
 if [ -n "$pids" ]; then
   echo "== RabbitMQ runs but does not answer AMQP or has too few file handles: restarting it (pids $pids)"
   pkill -u rabbitmq -f 'rabbitmqctl' 2>/dev/null || true

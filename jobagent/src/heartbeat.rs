@@ -10,8 +10,8 @@ use vq_common::amqp::json_properties;
 use vq_common::messages::{unix_now, Heartbeat, Message, SCHEMA_VERSION};
 use vq_common::topology::agent_event_key;
 
+use crate::ctx::Ctx;
 use crate::error::chain;
-use crate::Ctx;
 
 /// The agent's heartbeat now.
 pub fn heartbeat(ctx: &Ctx) -> Heartbeat {

@@ -31,7 +31,30 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::error::NssError;
-use crate::sys::{GroupEntry, UserEntry};
+
+/// A passwd entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserEntry {
+    /// Login name.
+    pub name: String,
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Home directory.
+    pub home: String,
+    /// Login shell (may be empty).
+    pub shell: String,
+}
+
+/// A group entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupEntry {
+    /// Group name.
+    pub name: String,
+    /// Group id.
+    pub gid: u32,
+}
 
 /// Where getent is looked for, in order.
 pub const GETENT_PATHS: [&str; 2] = ["/usr/bin/getent", "/bin/getent"];

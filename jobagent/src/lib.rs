@@ -8,9 +8,12 @@
 //! Modules: [`settings`] (config + identity), [`plan`] (pure validation →
 //! [`plan::LaunchPlan`]), [`sys`] (user database seam), `spawn` (the only
 //! `unsafe`: privilege drop and exec), [`supervise`] (walltime, cancel,
-//! rusage), [`report`] (publishing), [`state`] (claims, pull/delete flags),
-//! `session` (broker session and control), `consume` (the lease protocol:
-//! claim, run, release, recover), `heartbeat`.
+//! rusage), [`report`] (publishing; `Reporter` owns each transition's
+//! store → publish → mark-sent), [`state`] (claims and the agent's
+//! [`state::Mode`]), `ctx` (what the tasks share), `session` (broker
+//! session and control), `job` (one job from claim to release, and the
+//! recovery of leftover leases), `lease` (lease-queue operations only),
+//! `heartbeat`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,10 +25,12 @@ use vq_common::config::AgentConfig;
 use vq_common::topology::Topology;
 
 mod claim;
-mod consume;
+mod ctx;
 pub mod error;
 mod heartbeat;
 pub mod identity;
+mod job;
+mod lease;
 pub mod output;
 pub mod plan;
 pub mod report;
@@ -37,6 +42,8 @@ pub mod supervise;
 pub mod sys;
 
 pub use error::{AgentError, LaunchError, Rejection};
+
+use ctx::Ctx;
 
 /// Exit code for "must run as root" (`EX_NOPERM`).
 pub const EXIT_NOPERM: i32 = 77;
@@ -58,35 +65,6 @@ pub enum Ended {
     Drained,
     /// Forced: jobs were killed without reports.
     Forced,
-}
-
-/// Everything the agent's tasks share.
-#[derive(Debug)]
-pub(crate) struct Ctx {
-    pub(crate) cfg: AgentConfig,
-    pub(crate) topo: Topology,
-    pub(crate) agent: String,
-    pub(crate) host: String,
-    pub(crate) shared: state::Shared,
-    pub(crate) publisher: report::Publisher,
-    pub(crate) leases: consume::Leases,
-    /// Claim markers (who owns a job), on the consuming connection.
-    pub(crate) markers: claim::Markers,
-    /// Generation of the broker session, raised each time a session's
-    /// channels are up; a claim whose outcome is unknown waits for the next.
-    pub(crate) session: watch::Sender<u64>,
-    /// Set when an outcome is unknown: the session ends (so the broker
-    /// returns its unacked deliveries) and the next one resolves it.
-    pub(crate) restart_session: std::sync::atomic::AtomicBool,
-    pub(crate) outbox: report::Outbox,
-    pub(crate) sys: sys::HostSys,
-    /// Whether this process has put its id into the agent registry
-    /// (`Topology::agents_queue`), which it does before its first claim.
-    pub(crate) registered: std::sync::atomic::AtomicBool,
-    /// Set when a claim finds the lease queue gone (deleted by a fence):
-    /// the session ends, and the next one declares the queue again and
-    /// registers again.
-    pub(crate) lease_queue_gone: std::sync::atomic::AtomicBool,
 }
 
 /// How long, after the drain grace, the agent waits for interrupted jobs to
@@ -125,8 +103,20 @@ pub async fn run(
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let publisher = report::Publisher::new(
+        channel_rx,
+        blocked_rx,
+        Duration::from_secs(cfg.broker.confirm_timeout_secs),
+    );
     let ctx = Arc::new(Ctx {
-        leases: consume::Leases::new(topo.lease_queue(&cfg.agent_id), lease_rx),
+        reporter: report::Reporter::new(
+            publisher.clone(),
+            outbox.clone(),
+            topo.clone(),
+            cfg.pool.clone(),
+            cfg.agent_id.clone(),
+        ),
+        leases: lease::Leases::new(topo.lease_queue(&cfg.agent_id), lease_rx),
         markers: claim::Markers::new(topo.clone(), cfg.agent_id.clone(), conn_rx),
         session: watch::channel(0).0,
         restart_session: std::sync::atomic::AtomicBool::new(false),
@@ -135,11 +125,7 @@ pub async fn run(
         agent: cfg.agent_id.clone(),
         host,
         shared: state::Shared::new(cfg.slots),
-        publisher: report::Publisher::new(
-            channel_rx,
-            blocked_rx,
-            Duration::from_secs(cfg.broker.confirm_timeout_secs),
-        ),
+        publisher,
         sys: sys::HostSys,
         registered: std::sync::atomic::AtomicBool::new(false),
         lease_queue_gone: std::sync::atomic::AtomicBool::new(false),

@@ -9,9 +9,12 @@ use std::time::Duration;
 
 use lapin::{BasicProperties, Channel};
 use tokio::sync::watch;
-use tracing::warn;
-use vq_common::amqp::{json_properties, publish_confirmed_patiently, AmqpError};
-use vq_common::messages::Message;
+use tracing::{debug, warn};
+use vq_common::amqp::{
+    envelope, event_properties, json_properties, publish_confirmed_patiently, AmqpError,
+};
+use vq_common::messages::{JobEvent, Message};
+use vq_common::topology::{job_event_key, Topology};
 
 pub use vq_common::messages::SUBMITTER_HEADER;
 
@@ -157,6 +160,119 @@ impl Publisher {
     /// [`Publisher::publish_reliably`]).
     pub async fn publish_message_reliably<M: Message>(&self, exchange: &str, key: &str, msg: &M) {
         self.publish_reliably(exchange, key, &msg.encode(), json_properties::<M>())
+            .await;
+    }
+}
+
+/// A job message to dead-letter, with the reason.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadLetter<'a> {
+    /// The message body as delivered.
+    pub body: &'a [u8],
+    /// Its properties as delivered ([`envelope::dead_letter_properties`]
+    /// adapts them).
+    pub props: &'a BasicProperties,
+    /// Why it is dead-lettered (the `x-vq-reason` header).
+    pub reason: &'a str,
+}
+
+/// Reports a job's transitions, each as one call that owns its whole
+/// sequence (DESIGN.md, "Unknown outcomes"): a final result is stored in
+/// the [`Outbox`], published until the broker confirms it (with its stable
+/// `message_id`), then marked sent; a restarted agent republishes what is
+/// not marked. The stored result is removed when the job's lease is
+/// released (by the caller), not here.
+#[derive(Debug, Clone)]
+pub struct Reporter {
+    publisher: Publisher,
+    outbox: Outbox,
+    topo: Topology,
+    pool: String,
+    agent: String,
+}
+
+impl Reporter {
+    /// A reporter for the jobs of `pool` run by `agent`.
+    pub fn new(
+        publisher: Publisher,
+        outbox: Outbox,
+        topo: Topology,
+        pool: String,
+        agent: String,
+    ) -> Self {
+        Reporter {
+            publisher,
+            outbox,
+            topo,
+            pool,
+            agent,
+        }
+    }
+
+    /// Publishes `job.<pool>.started` until confirmed.
+    pub async fn started(&self, event: &JobEvent) {
+        self.notice(event).await;
+    }
+
+    /// The final result of job `key` (stored, published until confirmed,
+    /// marked sent).
+    pub async fn finished(&self, key: &str, event: &JobEvent) {
+        let rk = job_event_key(&self.pool, event.state.routing_word());
+        let body = event.encode();
+        if let Err(e) = self.outbox.store(key, &rk, &body) {
+            warn!(error = %e, "cannot keep the result on disk; publishing it from memory only");
+        }
+        self.publisher
+            .publish_reliably(
+                &self.topo.events_exchange(),
+                &rk,
+                &body,
+                event_properties(event),
+            )
+            .await;
+        if let Err(e) = self.outbox.mark_sent(key) {
+            debug!(error = %e, "cannot mark the stored result as sent");
+        }
+    }
+
+    /// Job `key` ends failed: its message is dead-lettered with the reason
+    /// (confirmed), then `event` is its final result as in
+    /// [`Reporter::finished`].
+    pub async fn failed(&self, key: &str, dead: DeadLetter<'_>, event: &JobEvent) {
+        self.dead_letter(dead).await;
+        self.finished(key, event).await;
+    }
+
+    /// Dead-letters a delivered message (`<c>.dead`, routing key = pool)
+    /// until confirmed; its submitter is the broker-validated `user_id` (a
+    /// forged [`SUBMITTER_HEADER`] is dropped, see [`envelope`]).
+    pub async fn dead_letter(&self, dead: DeadLetter<'_>) {
+        let submitter = dead
+            .props
+            .user_id()
+            .as_ref()
+            .map(|u| u.as_str().to_string());
+        let props = envelope::dead_letter_properties(
+            dead.props,
+            dead.reason,
+            &self.agent,
+            submitter.as_deref(),
+        );
+        self.publisher
+            .publish_reliably(&self.topo.dead_exchange(), &self.pool, dead.body, props)
+            .await;
+    }
+
+    /// Publishes an event that is no result of a job run here (a start, or
+    /// the notice to the submitter of a duplicate) until confirmed.
+    pub async fn notice(&self, event: &JobEvent) {
+        self.publisher
+            .publish_reliably(
+                &self.topo.events_exchange(),
+                &job_event_key(&self.pool, event.state.routing_word()),
+                &event.encode(),
+                event_properties(event),
+            )
             .await;
     }
 }

@@ -6,7 +6,7 @@
 //! Claims happen only in this loop, and so do the answers to ask-delete and
 //! drain, which makes "no job claimed → stop pulling" atomic with respect to
 //! taking a job. A claimed pool delivery is acked seconds later, after its
-//! lease copy is confirmed (`consume`), so the consumer is cancelled while
+//! lease copy is confirmed (`job`), so the consumer is cancelled while
 //! every slot is taken and started again with prefetch = free slots.
 //!
 //! Every session declares the agent's lease queue and scans it before it
@@ -45,10 +45,10 @@ use vq_common::backoff::Backoff;
 use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
 use vq_common::topology::agent_event_key;
 
-use crate::consume::{drop_duplicate, handle_delivery, scan_leases};
+use crate::ctx::Ctx;
 use crate::error::{chain, AgentError};
+use crate::job::{drop_duplicate, handle_delivery, scan_leases, NewClaim};
 use crate::state::{CancelOutcome, Claim};
-use crate::Ctx;
 
 /// Bound on broker operations in this module.
 const OP_TIMEOUT: Duration = Duration::from_secs(15);
@@ -522,9 +522,7 @@ async fn dispatch(
             ctx.clone(),
             delivery,
             decoded,
-            key,
-            cancel,
-            claim,
+            NewClaim { key, cancel, claim },
             jobs_ch.clone(),
         ))),
         Claim::Requeue => {

@@ -1,27 +1,14 @@
 //! The only module with `unsafe`: fork/exec of a job with the privilege drop
 //! in one `pre_exec` hook, and `wait4` for its status and rusage.
 //!
-//! The parent prepares everything ([`LaunchPlan`]); after `fork` the child
-//! makes only async-signal-safe system calls, in this order: reset every
-//! signal to its default disposition and unblock all (an agent started by
-//! `nohup` or a script's `&` has SIGHUP/SIGQUIT ignored, and ignored
-//! signals survive `exec`), join the job's cgroup (write `0` to its
-//! `cgroup.procs`, opened by the parent), set its own `oom_score_adj` to [`JOB_OOM_SCORE_ADJ`] (while still root, so the
-//! job cannot lower it again), `RLIMIT_NPROC` (only when no cgroup
-//! `pids.max` limits the job), `setsid`, `setgroups` (owner's full list),
-//! `setresgid`, `setresuid`, check that neither `setuid(0)` nor `setgid(0)`
-//! succeeds, join a fresh session keyring (as `pam_keyinit` does for su,
-//! sudo and sshd: nothing of the agent's keyring, which under systemd is
-//! the unit's, reaches the job), `umask`, `chdir`, check the shell (a
-//! regular file the owner may execute), open stdout/stderr **as the owner**
-//! (`O_NOFOLLOW`, mode 0600; `-j oe`/`eo` opens one file for both), pass
-//! the output fds to the parent over a socket (`SCM_RIGHTS`, so the parent
-//! writes them without ever opening the owner's paths), `dup2` the write
-//! ends of the output pipes (made by the parent; one for both streams with
-//! `-j oe`/`eo`) onto fds 1 and 2, then make the script fd inheritable. The
+//! The parent prepares everything ([`LaunchPlan`]) and builds the child's
+//! steps as a value ([`steps::child_steps`]: the order, and why, is
+//! documented and unit-tested there); after `fork` the child walks them
+//! with [`LibcOps`], which makes only async-signal-safe system calls. The
 //! job never holds its output files: the agent copies the pipes into them
-//! up to `max_output_bytes` ([`crate::output`]). std's `Command::uid/gid/current_dir` are not used: they run
-//! before `pre_exec`, as root, and break `setgroups` (DESIGN.md, "Privilege
+//! up to `max_output_bytes` ([`crate::output`]). std's
+//! `Command::uid/gid/current_dir` are not used: they run before
+//! `pre_exec`, as root, and break `setgroups` (DESIGN.md, "Privilege
 //! drop"). Any failing step fails the job: it never runs with partial
 //! credentials.
 //!
@@ -29,9 +16,10 @@
 //! `/proc/self/fd/N`: the owner cannot swap it, and the job's stdin stays
 //! `/dev/null` so commands that read stdin cannot eat the script.
 //!
-//! A failing step writes its number and errno into a close-on-exec pipe
-//! before returning the error; the parent reads the pipe after `spawn` to
-//! name the step in `Outcome::FailedToStart`.
+//! A failing step writes its index in the step list, the kind of failure
+//! and the errno into a close-on-exec pipe before returning the error; the
+//! parent reads the pipe after `spawn` to name the step
+//! ([`steps::ChildStep::describe`]) in `Outcome::FailedToStart`.
 //!
 //! Every job leader is registered in [`leaders`] while the fork happens, so
 //! the zombie sweep of the child-subreaper (`supervise`) never reaps a
@@ -56,6 +44,10 @@ use vq_common::messages::{Join, Usage};
 use crate::error::LaunchError;
 use crate::plan::LaunchPlan;
 
+pub mod steps;
+
+use steps::{child_steps, run_steps, ChildFds, ChildOps, ChildStep, StepError};
+
 /// `oom_score_adj` every job starts with (the agent itself runs at
 /// [`AGENT_OOM_SCORE_ADJ`], so the kernel's OOM killer picks a job first).
 /// If the agent could not lower its own value (no `CAP_SYS_RESOURCE`, e.g.
@@ -76,31 +68,6 @@ pub fn leaders() -> MutexGuard<'static, BTreeSet<i32>> {
 /// Lowest fd number used for the script and the spawn pipe, so that std's
 /// stdio setup (fds 0-2) can never clobber them.
 const MIN_FD: RawFd = 10;
-
-#[derive(Clone, Copy)]
-#[repr(u8)]
-enum Step {
-    Cgroup = 11,
-    OomScore = 12,
-    PassFds = 13,
-    NotRegularStdout = 14,
-    NotRegularStderr = 15,
-    Setsid = 1,
-    Setgroups,
-    Setgid,
-    Setuid,
-    RegainRoot,
-    Chdir,
-    OpenStdout,
-    OpenStderr,
-    Dup,
-    ScriptFd,
-    SessionKeyring = 16,
-    Signals = 17,
-    Nproc = 18,
-    Shell = 19,
-    ShellNotRegular = 20,
-}
 
 /// Highest signal number of the kernel (`_NSIG`; realtime signals included).
 const KERNEL_NSIG: libc::c_int = 64;
@@ -173,50 +140,6 @@ unsafe fn reset_signals() -> Result<(), i32> {
 /// given a NULL name (`<linux/keyctl.h>`; not in the libc crate).
 const KEYCTL_JOIN_SESSION_KEYRING: libc::c_long = 1;
 
-fn step_name(step: u8, plan: &LaunchPlan) -> String {
-    match step {
-        1 => "setsid".into(),
-        2 => format!("setgroups {:?}", plan.groups),
-        3 => format!("setresgid {}", plan.gid),
-        4 => format!("setresuid {}", plan.uid),
-        5 => "check that root cannot be regained (setuid(0) or setgid(0) succeeded)".into(),
-        6 => format!("chdir to {} as the owner", plan.cwd.to_string_lossy()),
-        7 => format!(
-            "open stdout file {} as the owner",
-            plan.stdout.to_string_lossy()
-        ),
-        8 => format!(
-            "open stderr file {} as the owner",
-            plan.stderr.to_string_lossy()
-        ),
-        9 => "dup2 of the output pipes".into(),
-        10 => "making the script fd inheritable".into(),
-        11 => "joining the job's cgroup".into(),
-        12 => "setting the job's oom_score_adj".into(),
-        13 => "passing the output fds to the agent".into(),
-        14 => format!(
-            "stdout path {} is not a regular file (FIFO, socket or device): refused",
-            plan.stdout.to_string_lossy()
-        ),
-        15 => format!(
-            "stderr path {} is not a regular file (FIFO, socket or device): refused",
-            plan.stderr.to_string_lossy()
-        ),
-        16 => "joining a new session keyring as the owner".into(),
-        17 => "resetting signal dispositions and the signal mask".into(),
-        18 => format!("setting RLIMIT_NPROC to {}", plan.pids_max),
-        19 => format!(
-            "checking shell {} as the owner",
-            plan.shell.to_string_lossy()
-        ),
-        20 => format!(
-            "shell {} is not a regular file: refused",
-            plan.shell.to_string_lossy()
-        ),
-        n => format!("unknown step {n}"),
-    }
-}
-
 /// Moves `fd` to a number >= [`MIN_FD`], close-on-exec.
 fn high_fd(fd: OwnedFd, what: &'static str) -> Result<OwnedFd, LaunchError> {
     let raw = fcntl(&fd, FcntlArg::F_DUPFD_CLOEXEC(MIN_FD)).map_err(|e| LaunchError::Prepare {
@@ -266,17 +189,149 @@ fn errno() -> i32 {
         .unwrap_or(libc::EIO)
 }
 
-/// Reports `step` through the spawn pipe and returns the error for std.
-/// Async-signal-safe: one `write`, no allocation.
-fn fail(pipe: RawFd, step: Step, err: i32) -> std::io::Error {
+/// Length of a failure report on the spawn pipe: step index, kind (0 =
+/// errno, 1 = not a regular file), errno (native endian).
+const REPORT_LEN: usize = 6;
+
+/// Reports the failed step at `index` through the spawn pipe and returns
+/// the error for std. Async-signal-safe: one `write`, no allocation.
+fn fail(pipe: RawFd, index: usize, why: StepError) -> std::io::Error {
+    let err = why.errno();
     let e = err.to_ne_bytes();
-    let msg = [step as u8, e[0], e[1], e[2], e[3]];
+    let kind = u8::from(matches!(why, StepError::NotRegular(_)));
+    let msg: [u8; REPORT_LEN] = [index as u8, kind, e[0], e[1], e[2], e[3]];
     // SAFETY: writing a stack buffer to an fd we own; the result is ignored
     // on purpose (the parent treats a short report as an unknown step).
     unsafe {
         libc::write(pipe, msg.as_ptr().cast(), msg.len());
     }
     std::io::Error::from_raw_os_error(err)
+}
+
+/// The real [`ChildOps`]: the libc calls of each step, in the forked child
+/// only (it is private to this module and made only in [`spawn`]'s
+/// `pre_exec` hook). Holds the output files opened so far, for
+/// [`ChildStep::PassOutputs`].
+struct LibcOps {
+    outputs: [RawFd; 2],
+    opened: usize,
+}
+
+impl ChildOps for LibcOps {
+    fn run(&mut self, step: &ChildStep) -> Result<(), StepError> {
+        let check = |r: libc::c_int| {
+            if r == -1 {
+                Err(StepError::Errno(errno()))
+            } else {
+                Ok(())
+            }
+        };
+        // SAFETY: every call below is an async-signal-safe system call on
+        // data prepared before fork (no allocation, no locks); `LibcOps`
+        // runs in the forked child only.
+        unsafe {
+            match step {
+                ChildStep::ResetSignals => reset_signals().map_err(StepError::Errno),
+                ChildStep::JoinCgroup { procs } => {
+                    if libc::write(*procs, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(StepError::Errno(errno()));
+                    }
+                    Ok(())
+                }
+                ChildStep::OomScoreAdj { value } => {
+                    let oom = libc::open(
+                        c"/proc/self/oom_score_adj".as_ptr(),
+                        libc::O_WRONLY | libc::O_CLOEXEC,
+                    );
+                    if oom == -1
+                        || libc::write(oom, value.as_ptr().cast(), value.len())
+                            != value.len() as isize
+                    {
+                        return Err(StepError::Errno(errno()));
+                    }
+                    libc::close(oom);
+                    Ok(())
+                }
+                ChildStep::LimitProcs { max } => {
+                    let limit = libc::rlimit {
+                        rlim_cur: *max as libc::rlim_t,
+                        rlim_max: *max as libc::rlim_t,
+                    };
+                    check(libc::setrlimit(libc::RLIMIT_NPROC, &limit))
+                }
+                ChildStep::Setsid => check(libc::setsid()),
+                ChildStep::SetGroups { groups } => {
+                    check(libc::setgroups(groups.len(), groups.as_ptr()))
+                }
+                ChildStep::SetGid { gid } => check(libc::setresgid(*gid, *gid, *gid)),
+                ChildStep::SetUid { uid } => check(libc::setresuid(*uid, *uid, *uid)),
+                ChildStep::RefuseRoot => {
+                    if libc::setuid(0) != -1 || libc::setgid(0) != -1 || libc::geteuid() == 0 {
+                        return Err(StepError::Errno(libc::EPERM));
+                    }
+                    Ok(())
+                }
+                ChildStep::SessionKeyring => {
+                    // ENOSYS: a kernel without keys support has no keyring
+                    // to inherit.
+                    if libc::syscall(
+                        libc::SYS_keyctl,
+                        KEYCTL_JOIN_SESSION_KEYRING,
+                        std::ptr::null::<libc::c_char>(),
+                    ) == -1
+                    {
+                        let e = errno();
+                        if e != libc::ENOSYS {
+                            return Err(StepError::Errno(e));
+                        }
+                    }
+                    Ok(())
+                }
+                ChildStep::Umask { mask } => {
+                    libc::umask(*mask as libc::mode_t);
+                    Ok(())
+                }
+                ChildStep::Chdir { dir } => check(libc::chdir(dir.as_ptr())),
+                ChildStep::CheckShell { shell } => {
+                    let mut st: libc::stat = std::mem::zeroed();
+                    check(libc::stat(shell.as_ptr(), &mut st))?;
+                    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                        return Err(StepError::NotRegular(libc::EACCES));
+                    }
+                    check(libc::access(shell.as_ptr(), libc::X_OK))
+                }
+                ChildStep::OpenOutput { path, .. } => {
+                    let fd = match open_output(path) {
+                        Ok(fd) => fd,
+                        Err(OpenFail::Errno(e)) => return Err(StepError::Errno(e)),
+                        Err(OpenFail::NotRegular) => {
+                            return Err(StepError::NotRegular(libc::EINVAL))
+                        }
+                    };
+                    if self.opened < self.outputs.len() {
+                        self.outputs[self.opened] = fd;
+                        self.opened += 1;
+                    }
+                    Ok(())
+                }
+                ChildStep::PassOutputs { socket } => {
+                    if send_fds(*socket, &self.outputs[..self.opened]) != 1 {
+                        return Err(StepError::Errno(errno()));
+                    }
+                    Ok(())
+                }
+                ChildStep::DupPipes { stdout, stderr } => {
+                    check(libc::dup2(*stdout, 1))?;
+                    check(libc::dup2(*stderr, 2))
+                }
+                ChildStep::CloexecFrom3 => {
+                    cloexec_from_3();
+                    Ok(())
+                }
+                ChildStep::ScriptInheritable { fd } => check(libc::fcntl(*fd, libc::F_SETFD, 0)),
+            }
+        }
+    }
 }
 
 /// Why [`open_output`] failed.
@@ -511,7 +566,6 @@ pub fn spawn(
     let (fd_rx, fd_tx) = socketpair()?;
     let fd_tx = high_fd(fd_tx, "move the fd-passing socket")?;
     let sock_fd = fd_tx.as_raw_fd();
-    let cg_fd: RawFd = cgroup_procs.map_or(-1, AsRawFd::as_raw_fd);
     // The output pipes: read ends stay here, write ends become fds 1 and 2.
     let streams = if matches!(plan.join, Join::N) { 2 } else { 1 };
     let mut pipe_rd = Vec::new();
@@ -537,150 +591,28 @@ pub fn spawn(
         .stdout(Stdio::null())
         .stderr(Stdio::null());
 
-    let groups: Vec<libc::gid_t> = plan.groups.clone();
-    let (uid, gid, umask) = (plan.uid, plan.gid, plan.umask);
-    let cwd = plan.cwd.clone();
-    let shell_path = plan.shell.clone();
-    let stdout = plan.stdout.clone();
-    let stderr = plan.stderr.clone();
-    let join = plan.join;
-    let nproc = rlimit_nproc.map(|n| libc::rlimit {
-        rlim_cur: n as libc::rlim_t,
-        rlim_max: n as libc::rlim_t,
-    });
     let agent_oom = std::fs::read_to_string("/proc/self/oom_score_adj")
         .ok()
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(JOB_OOM_SCORE_ADJ);
-    let oom_value = JOB_OOM_SCORE_ADJ.max(agent_oom).to_string().into_bytes();
-
-    let hook = move || -> std::io::Result<()> {
-        // SAFETY: every call below is an async-signal-safe system call on
-        // data prepared before fork (no allocation, no locks); this closure
-        // runs in the forked child only.
-        unsafe {
-            if let Err(e) = reset_signals() {
-                return Err(fail(pipe_fd, Step::Signals, e));
-            }
-            if cg_fd >= 0 && libc::write(cg_fd, b"0".as_ptr().cast(), 1) != 1 {
-                return Err(fail(pipe_fd, Step::Cgroup, errno()));
-            }
-            let oom = libc::open(
-                c"/proc/self/oom_score_adj".as_ptr(),
-                libc::O_WRONLY | libc::O_CLOEXEC,
-            );
-            if oom == -1
-                || libc::write(oom, oom_value.as_ptr().cast(), oom_value.len())
-                    != oom_value.len() as isize
-            {
-                return Err(fail(pipe_fd, Step::OomScore, errno()));
-            }
-            libc::close(oom);
-            if let Some(limit) = &nproc {
-                if libc::setrlimit(libc::RLIMIT_NPROC, limit) == -1 {
-                    return Err(fail(pipe_fd, Step::Nproc, errno()));
-                }
-            }
-            if libc::setsid() == -1 {
-                return Err(fail(pipe_fd, Step::Setsid, errno()));
-            }
-            if libc::setgroups(groups.len(), groups.as_ptr()) == -1 {
-                return Err(fail(pipe_fd, Step::Setgroups, errno()));
-            }
-            if libc::setresgid(gid, gid, gid) == -1 {
-                return Err(fail(pipe_fd, Step::Setgid, errno()));
-            }
-            if libc::setresuid(uid, uid, uid) == -1 {
-                return Err(fail(pipe_fd, Step::Setuid, errno()));
-            }
-            if libc::setuid(0) != -1 || libc::setgid(0) != -1 || libc::geteuid() == 0 {
-                return Err(fail(pipe_fd, Step::RegainRoot, libc::EPERM));
-            }
-            // After the uid switch, so the new keyring belongs to the owner
-            // (and counts against the owner's key quota). ENOSYS: a kernel
-            // without keys support has no keyring to inherit.
-            if libc::syscall(
-                libc::SYS_keyctl,
-                KEYCTL_JOIN_SESSION_KEYRING,
-                std::ptr::null::<libc::c_char>(),
-            ) == -1
-            {
-                let e = errno();
-                if e != libc::ENOSYS {
-                    return Err(fail(pipe_fd, Step::SessionKeyring, e));
-                }
-            }
-            libc::umask(umask as libc::mode_t);
-            if libc::chdir(cwd.as_ptr()) == -1 {
-                return Err(fail(pipe_fd, Step::Chdir, errno()));
-            }
-            // As the owner, before any output file is created: what exec
-            // would answer, and nothing the owner could not learn itself.
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::stat(shell_path.as_ptr(), &mut st) == -1 {
-                return Err(fail(pipe_fd, Step::Shell, errno()));
-            }
-            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-                return Err(fail(pipe_fd, Step::ShellNotRegular, libc::EACCES));
-            }
-            if libc::access(shell_path.as_ptr(), libc::X_OK) == -1 {
-                return Err(fail(pipe_fd, Step::Shell, errno()));
-            }
-            let (out, err) = match join {
-                Join::Oe | Join::Eo => {
-                    let (path, step) = if join == Join::Oe {
-                        (&stdout, Step::OpenStdout)
-                    } else {
-                        (&stderr, Step::OpenStderr)
-                    };
-                    let not_regular = if join == Join::Oe {
-                        Step::NotRegularStdout
-                    } else {
-                        Step::NotRegularStderr
-                    };
-                    match open_output(path) {
-                        Ok(fd) => (fd, fd),
-                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, step, e)),
-                        Err(OpenFail::NotRegular) => {
-                            return Err(fail(pipe_fd, not_regular, libc::EINVAL))
-                        }
-                    }
-                }
-                Join::N => {
-                    let out = match open_output(&stdout) {
-                        Ok(fd) => fd,
-                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, Step::OpenStdout, e)),
-                        Err(OpenFail::NotRegular) => {
-                            return Err(fail(pipe_fd, Step::NotRegularStdout, libc::EINVAL))
-                        }
-                    };
-                    let err = match open_output(&stderr) {
-                        Ok(fd) => fd,
-                        Err(OpenFail::Errno(e)) => return Err(fail(pipe_fd, Step::OpenStderr, e)),
-                        Err(OpenFail::NotRegular) => {
-                            return Err(fail(pipe_fd, Step::NotRegularStderr, libc::EINVAL))
-                        }
-                    };
-                    (out, err)
-                }
-            };
-            let both = [out, err];
-            let fds = if out == err { &both[..1] } else { &both[..] };
-            if send_fds(sock_fd, fds) != 1 {
-                return Err(fail(pipe_fd, Step::PassFds, errno()));
-            }
-            if libc::dup2(out_pipe, 1) == -1 || libc::dup2(err_pipe, 2) == -1 {
-                return Err(fail(pipe_fd, Step::Dup, errno()));
-            }
-            cloexec_from_3();
-            if libc::fcntl(script_fd, libc::F_SETFD, 0) == -1 {
-                return Err(fail(pipe_fd, Step::ScriptFd, errno()));
-            }
-        }
-        Ok(())
+    let fds = ChildFds {
+        cgroup_procs: cgroup_procs.map(AsRawFd::as_raw_fd),
+        socket: sock_fd,
+        stdout_pipe: out_pipe,
+        stderr_pipe: err_pipe,
+        script: script_fd,
     };
-    // SAFETY: the hook only makes async-signal-safe calls (see above) and
-    // captures data moved into it before fork.
+    let steps = child_steps(plan, &fds, JOB_OOM_SCORE_ADJ.max(agent_oom), rlimit_nproc);
+    let named = steps.clone();
+    let mut ops = LibcOps {
+        outputs: [-1; 2],
+        opened: 0,
+    };
+    let hook = move || -> std::io::Result<()> {
+        run_steps(&mut ops, &steps).map_err(|(i, why)| fail(pipe_fd, i, why))
+    };
+    // SAFETY: the hook only walks `steps` with `LibcOps`, whose calls are
+    // async-signal-safe (see there), on data moved into it before fork.
     unsafe {
         cmd.pre_exec(hook);
     }
@@ -715,10 +647,18 @@ pub fn spawn(
                 .collect();
             Ok(Spawned { pid, outputs })
         }
-        Err(source) if report.len() >= 5 => {
-            let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
+        Err(source) if report.len() >= REPORT_LEN => {
+            let errno = i32::from_ne_bytes([report[2], report[3], report[4], report[5]]);
+            let why = if report[1] == 1 {
+                StepError::NotRegular(errno)
+            } else {
+                StepError::Errno(errno)
+            };
             Err(LaunchError::Child {
-                step: step_name(report[0], plan),
+                step: named.get(usize::from(report[0])).map_or_else(
+                    || format!("unknown step {}", report[0]),
+                    |s| s.describe(why),
+                ),
                 source: if source.raw_os_error().is_some() {
                     source
                 } else {

@@ -1,8 +1,13 @@
 //! The agent's shared state: claimed jobs (and whether each claim is
-//! settled: owned through its claim marker), whether it pulls, whether it
-//! agreed to be deleted. Guarded by one std mutex that is never held across an
-//! `.await`; the session loop is the only place that claims jobs, which
-//! makes "check idle and stop pulling" atomic with respect to taking jobs.
+//! settled: owned through its claim marker) and the agent's [`Mode`]
+//! (pulling, leaving for an ask-delete, agreed, draining, drained). Guarded
+//! by one std mutex that is never held across an `.await`; the session loop
+//! is the only place that claims jobs, which makes "check idle and stop
+//! pulling" atomic with respect to taking jobs.
+//!
+//! The rules of the mode live in one transition function, [`Mode::step`],
+//! and the heartbeat's view of it in [`Mode::agent_state`]; [`Shared`]
+//! keeps the mutex, the claims and the notifications.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
@@ -53,11 +58,113 @@ pub enum CancelOutcome {
     NotHere,
 }
 
+/// What the agent does about its pool queue and its deletion: the
+/// lifecycle behind the heartbeat's `state`, `is_pull` and `is_del`
+/// (DESIGN.md, "The jobagent" step 4 and "drain" under "Leases"). Changed
+/// only by [`Mode::step`].
+///
+/// ```text
+///            AskDelete (idle)          Deletable
+///  Pulling ────────────────▶ Leaving ───────────▶ Agreed
+///     │                         │                    │
+///     │ Drain                   │ Drain              │ Drain
+///     ▼                         ▼                    ▼
+///  Draining ───────────── Deletable ──────────▶ Drained
+/// ```
+///
+/// An ask-delete while a job is claimed changes nothing, in every mode.
+/// Only [`Mode::Pulling`] takes jobs; nothing leads back to it (a VM that
+/// agreed to go, or was told to drain, is deleted or restarted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Takes jobs from the pool queue (the start).
+    Pulling,
+    /// Said yes to an ask-delete while idle: not pulling, the pool consumer
+    /// is being cancelled; the answer goes out after [`Event::Deletable`].
+    Leaving,
+    /// Agreed to be deleted: not pulling, no consumer (`is_del`).
+    Agreed,
+    /// Told to drain (control `drain` or the first shutdown signal): not
+    /// pulling, claimed jobs run to their end.
+    Draining,
+    /// Drained, or agreed and then told to drain: not pulling, deletable
+    /// (`is_del`).
+    Drained,
+}
+
+/// What happens to the agent's [`Mode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The controller asks "may I delete you?" (control `ask-delete`).
+    AskDelete,
+    /// Drain: a control `drain` or the first shutdown signal.
+    Drain,
+    /// The pool consumer is gone (`basic.cancel-ok` seen, unclaimed
+    /// deliveries requeued) and the agent may be deleted: after a yes to
+    /// an ask-delete, once a drain found no job left, or when a graceful
+    /// shutdown has reported every job.
+    Deletable,
+}
+
+/// What the caller of [`Mode::step`] must do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// Nothing (a repeated or meaningless event).
+    Nothing,
+    /// Answer the ask-delete with no: jobs are claimed. Nothing changed.
+    Refuse,
+    /// Stop the pool consumer, then step [`Event::Deletable`], then answer
+    /// the ask-delete with yes.
+    StopThenAgree,
+    /// The first drain: stop the pool consumer and, once no job is left,
+    /// step [`Event::Deletable`] and report `drained` (once per agent).
+    StartDrain,
+}
+
+impl Mode {
+    /// The one transition function: the mode after `event` and what to do,
+    /// with `claimed` jobs claimed here at that moment (read under the same
+    /// lock as the claims, so that an ask-delete and a claim are ordered).
+    pub fn step(self, event: Event, claimed: usize) -> (Mode, Reply) {
+        use Mode::*;
+        match (self, event) {
+            (m, Event::AskDelete) if claimed > 0 => (m, Reply::Refuse),
+            (Pulling | Leaving, Event::AskDelete) => (Leaving, Reply::StopThenAgree),
+            (m @ (Agreed | Draining | Drained), Event::AskDelete) => (m, Reply::StopThenAgree),
+            (Pulling | Leaving, Event::Drain) => (Draining, Reply::StartDrain),
+            (Agreed, Event::Drain) => (Drained, Reply::StartDrain),
+            (m @ (Draining | Drained), Event::Drain) => (m, Reply::Nothing),
+            // Only a mode that stopped pulling can become deletable.
+            (Pulling, Event::Deletable) => (Pulling, Reply::Nothing),
+            (Leaving | Agreed, Event::Deletable) => (Agreed, Reply::Nothing),
+            (Draining | Drained, Event::Deletable) => (Drained, Reply::Nothing),
+        }
+    }
+
+    /// Whether the agent consumes its pool queue in this mode.
+    pub fn pulls(self) -> bool {
+        self == Mode::Pulling
+    }
+
+    /// Whether the agent agreed to be deleted (the heartbeat's `is_del`).
+    pub fn is_del(self) -> bool {
+        matches!(self, Mode::Agreed | Mode::Drained)
+    }
+
+    /// The heartbeat's `state` in this mode with `claimed` jobs claimed.
+    pub fn agent_state(self, claimed: usize) -> AgentState {
+        match (self, claimed) {
+            (Mode::Pulling, 0) => AgentState::Idle,
+            (Mode::Pulling, _) => AgentState::Busy,
+            (Mode::Leaving, _) | (_, 1..) => AgentState::Draining,
+            (Mode::Agreed | Mode::Draining | Mode::Drained, 0) => AgentState::Drained,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
-    pulling: bool,
-    draining: bool,
-    is_del: bool,
+    mode: Mode,
     jobs: BTreeMap<String, Claimed>,
     last_end: Instant,
 }
@@ -114,9 +221,7 @@ impl Shared {
     pub fn new(slots: u32) -> Self {
         Shared {
             inner: Mutex::new(Inner {
-                pulling: true,
-                draining: false,
-                is_del: false,
+                mode: Mode::Pulling,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
             }),
@@ -134,7 +239,20 @@ impl Shared {
 
     /// Whether the agent should consume its pool queue.
     pub fn wants_pull(&self) -> bool {
-        self.lock().pulling
+        self.lock().mode.pulls()
+    }
+
+    /// The agent's mode now.
+    pub fn mode(&self) -> Mode {
+        self.lock().mode
+    }
+
+    /// Steps the mode with `event` ([`Mode::step`]) under the claims' lock.
+    fn step(&self, event: Event) -> Reply {
+        let mut g = self.lock();
+        let (mode, reply) = g.mode.step(event, g.jobs.len());
+        g.mode = mode;
+        reply
     }
 
     /// Free job slots.
@@ -148,7 +266,7 @@ impl Shared {
         if g.jobs.contains_key(key) {
             return Claim::Duplicate;
         }
-        if !g.pulling || g.jobs.len() >= self.slots {
+        if !g.mode.pulls() || g.jobs.len() >= self.slots {
             return Claim::Requeue;
         }
         let claim = uuid::Uuid::new_v4().to_string();
@@ -271,33 +389,33 @@ impl Shared {
         self.heartbeat_now.notify_one();
     }
 
-    /// If no job is claimed, stops pulling and returns `Ok`; else returns
-    /// the claimed ids and changes nothing. Atomic with respect to
+    /// Steps [`Event::AskDelete`]: if no job is claimed, stops pulling and
+    /// returns `Ok` (the caller stops the consumer, then calls
+    /// [`Shared::mark_deleted`], then answers yes); else returns the
+    /// claimed ids and changes nothing. Atomic with respect to
     /// [`Shared::claim`].
     pub fn try_stop_for_delete(&self) -> Result<(), Vec<String>> {
         let mut g = self.lock();
-        if g.jobs.is_empty() {
-            g.pulling = false;
-            Ok(())
-        } else {
-            Err(g.jobs.keys().cloned().collect())
+        let (mode, reply) = g.mode.step(Event::AskDelete, g.jobs.len());
+        g.mode = mode;
+        match reply {
+            Reply::Refuse => Err(g.jobs.keys().cloned().collect()),
+            _ => Ok(()),
         }
     }
 
-    /// Marks the agent as agreeing to deletion (after the consumer is gone).
+    /// Steps [`Event::Deletable`]: the agent agrees to deletion (after the
+    /// consumer is gone).
     pub fn mark_deleted(&self) {
-        self.lock().is_del = true;
+        self.step(Event::Deletable);
         self.heartbeat_now.notify_one();
     }
 
-    /// Stops pulling and marks the agent as draining. Returns `false` if it
-    /// was already draining.
+    /// Steps [`Event::Drain`]: stops pulling and marks the agent as
+    /// draining. Returns `true` for the first drain only
+    /// ([`Reply::StartDrain`]): the one that reports `drained`.
     pub fn start_drain(&self) -> bool {
-        let mut g = self.lock();
-        g.pulling = false;
-        let first = !g.draining;
-        g.draining = true;
-        drop(g);
+        let first = self.step(Event::Drain) == Reply::StartDrain;
         self.pull_changed.notify_one();
         self.heartbeat_now.notify_one();
         first
@@ -359,14 +477,7 @@ impl Shared {
     pub fn snapshot(&self) -> Snapshot {
         let g = self.lock();
         let running: Vec<String> = g.jobs.keys().cloned().collect();
-        let state = match (running.is_empty(), g.draining || !g.pulling, g.is_del) {
-            (false, false, _) => AgentState::Busy,
-            (false, true, _) => AgentState::Draining,
-            (true, _, true) => AgentState::Drained,
-            (true, true, false) if g.draining => AgentState::Drained,
-            (true, true, false) => AgentState::Draining,
-            (true, false, false) => AgentState::Idle,
-        };
+        let state = g.mode.agent_state(running.len());
         Snapshot {
             idle_secs: if running.is_empty() {
                 g.last_end.elapsed().as_secs_f64()
@@ -375,8 +486,8 @@ impl Shared {
             },
             state,
             running,
-            is_pull: g.pulling,
-            is_del: g.is_del,
+            is_pull: g.mode.pulls(),
+            is_del: g.mode.is_del(),
         }
     }
 }
@@ -440,6 +551,126 @@ mod tests {
         assert!(c.is_some());
         assert_eq!(s.owned_claims(), vec![("j1".to_string(), "c1".to_string())]);
         assert!(s.claim_recovered("j1", "c2", owned()).is_none());
+    }
+
+    use Event::{AskDelete, Deletable, Drain};
+    use Mode::{Agreed, Drained, Draining, Leaving, Pulling};
+
+    /// Every (mode, event, claimed) of the lifecycle: the next mode and
+    /// what the caller must do.
+    #[test]
+    fn every_transition_of_the_mode_is_the_one_of_the_table() {
+        #[rustfmt::skip]
+        let table = [
+            // from      event      claimed  to        reply
+            (Pulling,  AskDelete, 0, Leaving,  Reply::StopThenAgree),
+            (Pulling,  AskDelete, 1, Pulling,  Reply::Refuse),
+            (Pulling,  Drain,     0, Draining, Reply::StartDrain),
+            (Pulling,  Drain,     1, Draining, Reply::StartDrain),
+            (Pulling,  Deletable, 0, Pulling,  Reply::Nothing),
+            (Pulling,  Deletable, 1, Pulling,  Reply::Nothing),
+            (Leaving,  AskDelete, 0, Leaving,  Reply::StopThenAgree),
+            (Leaving,  AskDelete, 1, Leaving,  Reply::Refuse),
+            (Leaving,  Drain,     0, Draining, Reply::StartDrain),
+            (Leaving,  Drain,     1, Draining, Reply::StartDrain),
+            (Leaving,  Deletable, 0, Agreed,   Reply::Nothing),
+            (Leaving,  Deletable, 1, Agreed,   Reply::Nothing),
+            (Agreed,   AskDelete, 0, Agreed,   Reply::StopThenAgree),
+            (Agreed,   AskDelete, 1, Agreed,   Reply::Refuse),
+            (Agreed,   Drain,     0, Drained,  Reply::StartDrain),
+            (Agreed,   Drain,     1, Drained,  Reply::StartDrain),
+            (Agreed,   Deletable, 0, Agreed,   Reply::Nothing),
+            (Agreed,   Deletable, 1, Agreed,   Reply::Nothing),
+            (Draining, AskDelete, 0, Draining, Reply::StopThenAgree),
+            (Draining, AskDelete, 1, Draining, Reply::Refuse),
+            (Draining, Drain,     0, Draining, Reply::Nothing),
+            (Draining, Drain,     1, Draining, Reply::Nothing),
+            (Draining, Deletable, 0, Drained,  Reply::Nothing),
+            (Draining, Deletable, 1, Drained,  Reply::Nothing),
+            (Drained,  AskDelete, 0, Drained,  Reply::StopThenAgree),
+            (Drained,  AskDelete, 1, Drained,  Reply::Refuse),
+            (Drained,  Drain,     0, Drained,  Reply::Nothing),
+            (Drained,  Drain,     1, Drained,  Reply::Nothing),
+            (Drained,  Deletable, 0, Drained,  Reply::Nothing),
+            (Drained,  Deletable, 1, Drained,  Reply::Nothing),
+        ];
+        for (from, event, claimed, to, reply) in table {
+            assert_eq!(
+                from.step(event, claimed),
+                (to, reply),
+                "{from:?} + {event:?} with {claimed} claimed"
+            );
+        }
+    }
+
+    #[test]
+    fn the_heartbeat_view_of_every_mode_is_the_one_of_the_table() {
+        #[rustfmt::skip]
+        let table = [
+            // mode     claimed  state                 is_pull is_del
+            (Pulling,  0, AgentState::Idle,     true,  false),
+            (Pulling,  2, AgentState::Busy,     true,  false),
+            (Leaving,  0, AgentState::Draining, false, false),
+            (Leaving,  1, AgentState::Draining, false, false),
+            (Agreed,   0, AgentState::Drained,  false, true),
+            (Agreed,   1, AgentState::Draining, false, true),
+            (Draining, 0, AgentState::Drained,  false, false),
+            (Draining, 1, AgentState::Draining, false, false),
+            (Drained,  0, AgentState::Drained,  false, true),
+            (Drained,  1, AgentState::Draining, false, true),
+        ];
+        for (mode, claimed, state, is_pull, is_del) in table {
+            assert_eq!(mode.agent_state(claimed), state, "{mode:?} with {claimed}");
+            assert_eq!(mode.pulls(), is_pull, "{mode:?}");
+            assert_eq!(mode.is_del(), is_del, "{mode:?}");
+        }
+    }
+
+    /// The race of an ask-delete with a delivery, both orders, on the one
+    /// lock: whichever comes first decides, and the agent never agrees to go
+    /// while it holds a job nor takes one after it agreed.
+    #[test]
+    fn an_ask_delete_and_a_claim_are_ordered_whichever_comes_first() {
+        // A claim, then the ask-delete.
+        let s = Shared::new(1);
+        assert!(matches!(s.claim("j1"), Claim::New { .. }));
+        assert_eq!(s.try_stop_for_delete(), Err(vec!["j1".to_string()]));
+        assert_eq!(s.mode(), Pulling, "a refused ask-delete changes nothing");
+
+        // The ask-delete, then the claim.
+        let s = Shared::new(1);
+        assert_eq!(s.try_stop_for_delete(), Ok(()));
+        assert!(matches!(s.claim("j1"), Claim::Requeue), "stopped pulling");
+        assert!(!s.is_claimed("j1"));
+        s.mark_deleted();
+        assert_eq!(s.mode(), Agreed);
+        assert!(s.snapshot().is_del);
+    }
+
+    #[test]
+    fn drain_then_idle_reports_drained_once() {
+        let s = Shared::new(1);
+        let _ = s.claim("j1");
+        assert!(s.start_drain(), "the first drain reports");
+        assert_eq!(s.snapshot().state, AgentState::Draining);
+        assert!(!s.start_drain(), "a second drain does not report again");
+        s.release("j1");
+        s.mark_deleted();
+        let snap = s.snapshot();
+        assert_eq!(
+            (snap.state, snap.is_pull, snap.is_del),
+            (AgentState::Drained, false, true)
+        );
+        assert!(!s.start_drain(), "drained: no second report");
+    }
+
+    #[test]
+    fn a_drain_after_an_agreed_ask_delete_still_reports_drained() {
+        let s = Shared::new(1);
+        assert_eq!(s.try_stop_for_delete(), Ok(()));
+        s.mark_deleted();
+        assert!(s.start_drain());
+        assert_eq!(s.mode(), Drained);
     }
 
     #[test]

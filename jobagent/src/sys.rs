@@ -1,6 +1,7 @@
 //! The seam between job planning and the host: the user and group
-//! database. [`HostSys`] asks the real system; [`FakeSys`] is an in-memory
-//! fake that records every lookup, for unit tests of `plan`.
+//! database. [`HostSys`] asks the real system; `FakeSys` (test builds
+//! only) is an in-memory fake that records every lookup, for unit tests of
+//! `plan`.
 //!
 //! There are no file-system probes: the agent runs as root, and an answer
 //! of root's ("does not exist" vs "permission denied") would tell a
@@ -12,35 +13,14 @@
 //! [`HostSys`] resolves users and groups through the host's `getent`
 //! ([`crate::identity`]) to see SSSD, LDAP or extrausers users too.
 
+#[cfg(test)]
 use std::collections::BTreeMap;
+#[cfg(test)]
 use std::sync::Mutex;
 
 use crate::error::NssError;
 use crate::identity::Nss;
-
-/// A passwd entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UserEntry {
-    /// Login name.
-    pub name: String,
-    /// User id.
-    pub uid: u32,
-    /// Primary group id.
-    pub gid: u32,
-    /// Home directory.
-    pub home: String,
-    /// Login shell (may be empty).
-    pub shell: String,
-}
-
-/// A group entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupEntry {
-    /// Group name.
-    pub name: String,
-    /// Group id.
-    pub gid: u32,
-}
+pub use crate::identity::{GroupEntry, UserEntry};
 
 /// Host facts that job planning needs.
 pub trait Sys: Send + Sync {
@@ -82,7 +62,9 @@ impl Sys for HostSys {
 }
 
 /// In-memory host for tests: users and groups with members.
-/// Every call is recorded in [`FakeSys::calls`].
+/// Every call is recorded in [`FakeSys::calls`]. Test builds only: the
+/// agent never carries it.
+#[cfg(test)]
 #[derive(Debug, Default)]
 pub struct FakeSys {
     /// Users by name.
@@ -93,6 +75,7 @@ pub struct FakeSys {
     pub calls: Mutex<Vec<String>>,
 }
 
+#[cfg(test)]
 impl FakeSys {
     fn record(&self, call: String) {
         self.calls
@@ -144,6 +127,7 @@ impl FakeSys {
     }
 }
 
+#[cfg(test)]
 impl Sys for FakeSys {
     fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, NssError> {
         self.record(format!("user_by_name({name})"));

@@ -44,10 +44,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::BasicAckOptions;
 use lapin::{Acker, BasicProperties, Channel};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 use vq_common::amqp::{bounded, envelope, event_properties, json_properties, AmqpError};
@@ -57,148 +55,17 @@ use vq_common::messages::{
 };
 use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 
+use crate::ctx::Ctx;
 use crate::error::{chain, Rejection};
+use crate::lease::{ack_lease, requeue_acker, sync};
 use crate::plan::{plan_job_async, LaunchPlan};
-use crate::report::{header_str, header_u32, with_header_str, with_header_u32, SUBMITTER_HEADER};
+use crate::report::{
+    header_str, header_u32, with_header_str, with_header_u32, DeadLetter, SUBMITTER_HEADER,
+};
 use crate::state::Owned;
-use crate::Ctx;
 
 /// Bound on one `basic.ack` plus its confirming round trip.
 const ACK_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// Bound on one lease-queue operation.
-const LEASE_OP_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// Most messages a lease scan reads (a lease queue holds at most `slots`
-/// jobs; more means leftovers of earlier processes).
-const MAX_SCAN: usize = 4096;
-
-/// The agent's lease queue and the channel to read it (set by the session
-/// loop, `None` while disconnected). One lease operation at a time: a scan
-/// or a release holds the messages it read unacked until it is done.
-#[derive(Debug)]
-pub(crate) struct Leases {
-    queue: String,
-    channel: watch::Receiver<Option<Channel>>,
-    lock: tokio::sync::Mutex<()>,
-}
-
-/// The job id of a lease or pool message ([`envelope::job_id_of`]).
-fn message_key(d: &Delivery) -> Option<String> {
-    envelope::job_id_of(&d.properties, &d.data)
-}
-
-impl Leases {
-    /// Leases in `queue`, read through the channel published on `channel`.
-    pub(crate) fn new(queue: String, channel: watch::Receiver<Option<Channel>>) -> Self {
-        Leases {
-            queue,
-            channel,
-            lock: tokio::sync::Mutex::new(()),
-        }
-    }
-
-    /// The lease queue's name.
-    pub(crate) fn queue(&self) -> &str {
-        &self.queue
-    }
-
-    fn current(&self) -> Result<Channel, AmqpError> {
-        self.channel
-            .borrow()
-            .clone()
-            .filter(|c| c.status().connected())
-            .ok_or_else(|| AmqpError::Timeout {
-                what: "lease channel (not connected)".into(),
-                secs: 0,
-            })
-    }
-
-    /// Removes the lease message of job `key` and claim `claim` (a copy
-    /// without a claim id matches by job id alone): reads up to `limit`
-    /// messages, acks the match, requeues the others, and confirms with a
-    /// round trip. `Ok(false)` if no message matched.
-    ///
-    /// # Errors
-    /// [`AmqpError`] if the broker is gone or an operation times out.
-    pub(crate) async fn remove(
-        &self,
-        key: &str,
-        claim: Option<&str>,
-        limit: usize,
-    ) -> Result<bool, AmqpError> {
-        let _guard = self.lock.lock().await;
-        let ch = self.current()?;
-        bounded("release lease", LEASE_OP_TIMEOUT, async {
-            let mut others = Vec::new();
-            let mut found = false;
-            for _ in 0..limit.max(1) {
-                let Some(m) = ch
-                    .basic_get(
-                        self.queue.as_str().into(),
-                        BasicGetOptions { no_ack: false },
-                    )
-                    .await
-                    .map_err(AmqpError::op("basic.get lease"))?
-                else {
-                    break;
-                };
-                let d = m.delivery;
-                let copy_claim = header_str(&d.properties, CLAIM_HEADER);
-                let same_claim = match (claim, copy_claim.as_deref()) {
-                    (Some(want), Some(have)) => want == have,
-                    _ => true,
-                };
-                if message_key(&d).as_deref() == Some(key) && same_claim {
-                    d.acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .map_err(AmqpError::op("ack lease"))?;
-                    found = true;
-                    break;
-                }
-                others.push(d.acker);
-            }
-            for a in others {
-                requeue_acker(&a).await;
-            }
-            sync(&ch, &self.queue).await?;
-            Ok(found)
-        })
-        .await
-    }
-}
-
-/// A synchronous round trip on `ch` (passive declare of `queue`): when it
-/// returns, the broker has processed every earlier method on the channel,
-/// acks included.
-async fn sync(ch: &Channel, queue: &str) -> Result<(), AmqpError> {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map_err(AmqpError::op("passive declare (sync)"))?;
-    Ok(())
-}
-
-async fn requeue_acker(a: &Acker) {
-    let r = a
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        })
-        .await;
-    match r {
-        Ok(true) => {}
-        Ok(false) => debug!("cannot requeue: the channel is gone (the broker requeues it)"),
-        Err(e) => warn!(error = %chain(&e), "cannot requeue a message"),
-    }
-}
 
 /// Acks a pool delivery and confirms that the broker processed the ack
 /// with a round trip on the same channel (`queue` is any existing queue).
@@ -238,17 +105,59 @@ struct Ticket {
     losses: u32,
 }
 
+impl Ticket {
+    /// Who besides the control admins may cancel the job: its owner and
+    /// the submitter it was judged by.
+    fn cancellers(&self) -> Vec<String> {
+        let mut users = vec![self.job.owner.clone()];
+        users.extend(self.submitter.clone());
+        users
+    }
+
+    /// The event of this execution (attempt = 1 + losses) in `state`.
+    fn event(&self, ctx: &Ctx, state: JobState) -> JobEvent {
+        let mut e = JobEvent::about(
+            Some(&self.job),
+            &self.key,
+            &ctx.cfg.pool,
+            &ctx.agent,
+            self.submitter.as_deref(),
+            state,
+        );
+        e.attempt = self.losses.saturating_add(1);
+        e
+    }
+
+    /// The job's message as delivered, to dead-letter with `reason`.
+    fn dead_letter<'a>(&'a self, reason: &'a str) -> DeadLetter<'a> {
+        DeadLetter {
+            body: &self.body,
+            props: &self.props,
+            reason,
+        }
+    }
+}
+
+/// A pool delivery claimed by the session loop ([`crate::state::Claim::New`]).
+pub(crate) struct NewClaim {
+    /// Job id.
+    pub(crate) key: String,
+    /// Cancels the job.
+    pub(crate) cancel: CancellationToken,
+    /// The claim id.
+    pub(crate) claim: String,
+}
+
 /// Handles one claimed pool delivery to the end (refuse, or lease, mark,
 /// ack, run, report, release).
 pub(crate) async fn handle_delivery(
     ctx: Arc<Ctx>,
     delivery: Delivery,
     decoded: Result<Job, DecodeError>,
-    key: String,
-    cancel: CancellationToken,
-    claim: String,
+    claimed: NewClaim,
     jobs_ch: Channel,
 ) {
+    let NewClaim { key, cancel, claim } = claimed;
     let span = tracing::info_span!("job", pool = %ctx.cfg.pool, job_id = %key);
     async move {
         // The broker validated `user_id`; a requeuer (the controller
@@ -278,8 +187,7 @@ pub(crate) async fn handle_delivery(
         if let Some((job, rej)) = refused {
             refuse(
                 &ctx,
-                &delivery.data,
-                &delivery.properties,
+                (&delivery.data, &delivery.properties),
                 job.as_ref(),
                 &key,
                 &rej,
@@ -327,9 +235,7 @@ async fn claim_and_run(
 ) {
     let key = ticket.key.clone();
     let generation = *ctx.session.borrow();
-    let mut cancellers = vec![ticket.job.owner.clone()];
-    cancellers.extend(ticket.submitter.clone());
-    ctx.shared.set_cancellers(&key, cancellers);
+    ctx.shared.set_cancellers(&key, ticket.cancellers());
     // 1. The lease copy. It records the claim and the submitter this job
     // was judged by, so that a recovery on this VM judges it the same way.
     let props = with_header_str(
@@ -433,65 +339,37 @@ fn judged_submitter(ctx: &Ctx, props: &BasicProperties) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Refuses a job that will not run: dead-letters `body` with the reason in
-/// its headers, then publishes `job.<pool>.failed` with the reason through
-/// the outbox, both confirmed. The caller acks or releases afterwards.
+/// Refuses a job that will not run: dead-letters its message (`body`,
+/// `props`) with the reason in its headers, then reports `job.<pool>.failed`
+/// with the reason ([`crate::report::Reporter::failed`]), both confirmed.
+/// The caller acks or releases afterwards.
 pub(crate) async fn refuse(
     ctx: &Ctx,
-    body: &[u8],
-    props: &BasicProperties,
+    (body, props): (&[u8], &BasicProperties),
     job: Option<&Job>,
     key: &str,
     rejection: &Rejection,
 ) {
     let reason = chain(rejection);
     warn!(reason = %reason, "job refused");
-    dead_letter(ctx, body, props, &reason).await;
-    let pool = &ctx.cfg.pool;
     let submitter = judged_submitter(ctx, props);
     let event = JobEvent::about(
         job,
         key,
-        pool,
+        &ctx.cfg.pool,
         &ctx.agent,
         submitter.as_deref(),
-        JobState::Failed { reason },
+        JobState::Failed {
+            reason: reason.clone(),
+        },
     );
-    publish_result(ctx, key, &event).await;
+    let dead = DeadLetter {
+        body,
+        props,
+        reason: &reason,
+    };
+    ctx.reporter.failed(key, dead, &event).await;
     ctx.outbox.remove(key);
-}
-
-/// Dead-letters a pool delivery with properties `props`; its submitter is
-/// the broker-validated `user_id` (a forged [`SUBMITTER_HEADER`] is
-/// dropped, see [`envelope`]).
-async fn dead_letter(ctx: &Ctx, body: &[u8], props: &BasicProperties, reason: &str) {
-    let submitter = props.user_id().as_ref().map(|u| u.as_str().to_string());
-    let props = envelope::dead_letter_properties(props, reason, &ctx.agent, submitter.as_deref());
-    ctx.publisher
-        .publish_reliably(&ctx.topo.dead_exchange(), &ctx.cfg.pool, body, props)
-        .await;
-}
-
-/// Stores `event` in the outbox, publishes it until confirmed (with its
-/// stable `message_id`), marks it sent. The caller removes the lease, then
-/// the stored result.
-async fn publish_result(ctx: &Ctx, key: &str, event: &JobEvent) {
-    let rk = job_event_key(&ctx.cfg.pool, event.state.routing_word());
-    let body = event.encode();
-    if let Err(e) = ctx.outbox.store(key, &rk, &body) {
-        warn!(error = %e, "cannot keep the result on disk; publishing it from memory only");
-    }
-    ctx.publisher
-        .publish_reliably(
-            &ctx.topo.events_exchange(),
-            &rk,
-            &body,
-            event_properties(event),
-        )
-        .await;
-    if let Err(e) = ctx.outbox.mark_sent(key) {
-        debug!(error = %e, "cannot mark the stored result as sent");
-    }
 }
 
 /// Releases a job whose result is confirmed: removes its lease copy, then
@@ -524,36 +402,14 @@ async fn release_lease(ctx: &Ctx, key: &str, claim: &str, owned: Option<&Owned>)
     }
 }
 
-/// Runs a claimed (owned) job and reports it.
+/// Runs a claimed (owned) job, reports it and releases it.
 async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
-    let pool = ctx.cfg.pool.clone();
     let attempt = t.losses.saturating_add(1);
-    let event = |state: JobState| {
-        let mut e = JobEvent::about(
-            Some(&t.job),
-            &t.key,
-            &pool,
-            &ctx.agent,
-            t.submitter.as_deref(),
-            state,
-        );
-        e.attempt = attempt;
-        e
-    };
-    let started_event = event(JobState::Started);
+    let started_event = t.event(ctx, JobState::Started);
     // Published while the job runs: a broker outage must not delay the job.
     let started_pub = {
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            ctx.publisher
-                .publish_reliably(
-                    &ctx.topo.events_exchange(),
-                    &job_event_key(&ctx.cfg.pool, "started"),
-                    &started_event.encode(),
-                    event_properties(&started_event),
-                )
-                .await;
-        })
+        let reporter = ctx.reporter.clone();
+        tokio::spawn(async move { reporter.started(&started_event).await })
     };
     info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), attempt, "job starting");
     let (outcome, usage) = execute(ctx, &t.key, &plan, t.cancel.clone()).await;
@@ -573,14 +429,16 @@ async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
             reason,
             "stopped by the agent's shutdown: reported failed and dead-lettered"
         );
-        dead_letter(ctx, &t.body, &t.props, reason).await;
-        let e = event(JobState::Failed {
-            reason: reason.into(),
-        });
-        publish_result(ctx, &t.key, &e).await;
+        let e = t.event(
+            ctx,
+            JobState::Failed {
+                reason: reason.into(),
+            },
+        );
+        ctx.reporter.failed(&t.key, t.dead_letter(reason), &e).await;
     } else {
-        let e = event(JobState::Finished { outcome, usage });
-        publish_result(ctx, &t.key, &e).await;
+        let e = t.event(ctx, JobState::Finished { outcome, usage });
+        ctx.reporter.finished(&t.key, &e).await;
     }
     release_lease(ctx, &t.key, &t.claim, owned.as_ref()).await;
     ctx.shared.release(&t.key);
@@ -607,22 +465,8 @@ async fn execute(
 /// # Errors
 /// [`AmqpError`]: the session ends and the scan is repeated on the next.
 pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
-    let _guard = ctx.leases.lock.lock().await;
-    let ch = ctx.leases.current()?;
-    let queue = ctx.leases.queue().to_string();
-    let mut held = Vec::new();
-    for _ in 0..MAX_SCAN {
-        let got = bounded("scan lease queue", LEASE_OP_TIMEOUT, async {
-            ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-                .await
-                .map_err(AmqpError::op("basic.get lease"))
-        })
-        .await?;
-        match got {
-            Some(m) => held.push(m.delivery),
-            None => break,
-        }
-    }
+    let mut scan = ctx.leases.scan().await?;
+    let held = std::mem::take(&mut scan.held);
     if !held.is_empty() {
         info!(pool = %ctx.cfg.pool, leases = held.len(), "lease queue scanned");
     }
@@ -655,7 +499,7 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
     for d in keep {
         requeue_acker(&d.acker).await;
     }
-    bounded("sync lease queue", LEASE_OP_TIMEOUT, sync(&ch, &queue)).await?;
+    scan.finish().await?;
     // Results stored without a lease (their lease was removed but the file
     // was not): drop the sent ones, publish the others.
     for key in ctx.outbox.job_ids() {
@@ -669,17 +513,6 @@ pub(crate) async fn scan_leases(ctx: &Arc<Ctx>) -> Result<(), AmqpError> {
             ctx.outbox.remove(&key);
         }
     }
-    Ok(())
-}
-
-async fn ack_lease(d: &Delivery) -> Result<(), AmqpError> {
-    bounded("ack lease", LEASE_OP_TIMEOUT, async {
-        d.acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(AmqpError::op("ack lease"))
-    })
-    .await?;
     Ok(())
 }
 
@@ -807,16 +640,13 @@ async fn recover_one(
                     .await
                     {
                         Ok(plan) => {
-                            let mut cancellers = vec![ticket.job.owner.clone()];
-                            cancellers.extend(ticket.submitter.clone());
-                            ctx2.shared.set_cancellers(&ticket.key, cancellers);
+                            ctx2.shared.set_cancellers(&ticket.key, ticket.cancellers());
                             run_and_release(&ctx2, ticket, plan).await
                         }
                         Err(rej) => {
                             refuse(
                                 &ctx2,
-                                &ticket.body,
-                                &ticket.props,
+                                (&ticket.body, &ticket.props),
                                 Some(&ticket.job),
                                 &ticket.key,
                                 &rej,
@@ -877,7 +707,13 @@ async fn handle_copy(
         format!("duplicate job id: job {key} was claimed already by {whose}; this second message with the same id was not run")
     };
     warn!(pool = %ctx.cfg.pool, job_id = %key, "{reason}");
-    dead_letter(ctx, &delivery.data, &delivery.properties, &reason).await;
+    ctx.reporter
+        .dead_letter(DeadLetter {
+            body: &delivery.data,
+            props: &delivery.properties,
+            reason: &reason,
+        })
+        .await;
     if !delivery.redelivered {
         let submitter = judged_submitter(ctx, &delivery.properties);
         let mut event = JobEvent::about(
@@ -889,14 +725,7 @@ async fn handle_copy(
             JobState::Failed { reason },
         );
         event.duplicate = Some(fingerprint(&delivery.data));
-        ctx.publisher
-            .publish_reliably(
-                &ctx.topo.events_exchange(),
-                &job_event_key(&ctx.cfg.pool, "failed"),
-                &event.encode(),
-                event_properties(&event),
-            )
-            .await;
+        ctx.reporter.notice(&event).await;
     }
     let q = ctx.topo.pool_queue(&ctx.cfg.pool);
     if let Err(e) = ack_confirmed(&delivery.acker, jobs_ch, &q).await {
