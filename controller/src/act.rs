@@ -9,14 +9,12 @@
 //! repeated delete of a server that is gone succeeds.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 
 use serde::Serialize;
 use vq_common::amqp::AmqpError;
 use vq_common::config::{AgentIdentity, PoolConfig};
 use vq_common::messages::Control;
 
-use crate::broker::Broker;
 use crate::error::ActError;
 use crate::openstack::{cluster_tag, CloudApi, CreateServer, META_AGENT, META_CLUSTER, META_POOL};
 use crate::plan::{Action, DeleteCause};
@@ -24,33 +22,7 @@ use crate::plan::{Action, DeleteCause};
 /// Path of the identity file written by the user-data.
 pub const IDENTITY_PATH: &str = "/etc/vq/identity.toml";
 
-/// Sends control messages to agents (the broker, or a fake in tests).
-pub trait Messenger: Send + Sync {
-    /// Sends `msg` to `agent`.
-    fn send_control(
-        &self,
-        agent: &str,
-        msg: &Control,
-    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
-
-    /// Records durably that `agent` is being fenced, before its server is
-    /// deleted, so that its leases are returned even if the controller
-    /// restarts right after the delete. The default records nothing (fakes
-    /// without leases).
-    fn mark_fence(&self, agent: &str) -> impl Future<Output = Result<(), AmqpError>> + Send {
-        let _ = agent;
-        async { Ok(()) }
-    }
-}
-
-impl Messenger for Broker {
-    async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
-        Broker::send_control(self, agent, msg).await
-    }
-    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
-        Broker::mark_fence(self, agent).await
-    }
-}
+pub use crate::broker::Messenger;
 
 /// A new agent id: `<cluster>-<pool>-<8 hex digits>`.
 pub fn new_agent_id(cluster: &str, pool: &str) -> String {

@@ -3,8 +3,10 @@
 //! answers, drained notices) and bridge demand, reads pool queue depths and
 //! publishes control messages to agents.
 //!
-//! Agent events are stamped with the controller's own monotonic receive
-//! time; the agents' clocks are never trusted for liveness.
+//! What the consumers hear goes into the event book ([`crate::events`]);
+//! the dead-letter watch is [`crate::dead_watch`]. The [`BrokerApi`] and
+//! [`Messenger`] traits the loop and its fakes use live here, beside the
+//! real implementation.
 //!
 //! Fencing (DESIGN.md, "Leases"): before a server is deleted its agent id
 //! is put into the durable fence queue `<c>.fence` ([`Broker::mark_fence`]);
@@ -15,13 +17,9 @@
 //! the controller stateless: a restart between delete and requeue loses
 //! nothing.
 //!
-//! Dead letters ([`watch_dead_letters`]): every dead letter is copied into
-//! `<c>.dead.watch`; for each one RabbitMQ made itself (delivery limit,
-//! TTL, rejection: `x-death`, no `x-vq-reason`) the controller publishes
-//! the job's `failed` event (message id `<job_id>.failed`), confirmed, then
-//! acks. Agents and the fence publish their own dead letters' events.
+//! Dead letters: see [`crate::dead_watch`].
 
-use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -39,52 +37,22 @@ use vq_common::amqp::{
     self, bounded, envelope, header_str, header_u32, with_header_u32, AmqpError,
 };
 use vq_common::config::BrokerConfig;
-use vq_common::messages::{
-    Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message, REASON_HEADER,
-    SUBMITTER_HEADER,
-};
+use vq_common::messages::{Control, Job, JobEvent, JobState, Message, SUBMITTER_HEADER};
 use vq_common::topology::{
     job_event_key, Topology, ALL_AGENT_EVENTS, CLAIM_HEADER, LOSSES_HEADER, POOL_HEADER,
 };
 
-use crate::observe::{AgentRecord, DemandMap};
-
-/// Agent records not refreshed for this long are forgotten, seconds.
-pub const AGENT_RECORD_TTL_SECS: u64 = 3600;
+pub use crate::dead_watch::broker_dead_letter_event;
+use crate::dead_watch::watch_dead_letters;
+use crate::events::{consume_demand, consume_events, watch_blocked};
+pub use crate::events::{record_event, remember_ask, EventSnapshot, Shared, AGENT_RECORD_TTL_SECS};
 
 const OP_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// What the event consumers collected.
-#[derive(Debug, Default)]
-pub struct Shared {
-    /// Latest heartbeat and answer per agent id.
-    pub agents: BTreeMap<String, AgentRecord>,
-    /// Latest demand per pool.
-    pub demand: DemandMap,
-    /// Since when the event consumer has run without interruption (and
-    /// the broker has not blocked the connection).
-    pub listening_since: Option<Instant>,
-    /// The broker's reason while it blocks this connection
-    /// (`connection.blocked`: a memory or disk alarm), else `None`.
-    pub blocked: Option<String>,
-}
 
 struct Session {
     conn: Connection,
     channel: Channel,
     tasks: Vec<JoinHandle<()>>,
-}
-
-/// Snapshot of the event state at one instant.
-#[derive(Debug, Clone, Default)]
-pub struct EventSnapshot {
-    /// Latest heartbeat and answer per agent id.
-    pub agents: BTreeMap<String, AgentRecord>,
-    /// Latest demand per pool.
-    pub demand: DemandMap,
-    /// Seconds the event consumer has run without interruption (0 if it
-    /// does not run).
-    pub listening_secs: f64,
 }
 
 /// The controller's broker client.
@@ -243,26 +211,7 @@ impl Broker {
 
     /// A copy of the agent and demand state, with old records pruned.
     pub fn snapshot(&self, now: Instant) -> EventSnapshot {
-        let mut s = self.shared_lock();
-        let ttl = Duration::from_secs(AGENT_RECORD_TTL_SECS);
-        s.agents.retain(|_, rec| {
-            let last = [
-                rec.heartbeat.as_ref().map(|h| h.1),
-                rec.answer.as_ref().map(|a| a.1),
-            ]
-            .into_iter()
-            .flatten()
-            .max();
-            last.is_some_and(|t| now.saturating_duration_since(t) < ttl)
-        });
-        EventSnapshot {
-            agents: s.agents.clone(),
-            demand: s.demand.clone(),
-            listening_secs: s
-                .listening_since
-                .map(|t| now.saturating_duration_since(t).as_secs_f64())
-                .unwrap_or(0.0),
-        }
+        self.shared_lock().snapshot(now)
     }
 
     /// The broker's reason while it blocks the controller's connection
@@ -790,6 +739,90 @@ impl Broker {
     }
 }
 
+/// Sends control messages to agents (the broker, or a fake in tests).
+pub trait Messenger: Send + Sync {
+    /// Sends `msg` to `agent`.
+    fn send_control(
+        &self,
+        agent: &str,
+        msg: &Control,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+
+    /// Records durably that `agent` is being fenced, before its server is
+    /// deleted, so that its leases are returned even if the controller
+    /// restarts right after the delete.
+    fn mark_fence(&self, agent: &str) -> impl Future<Output = Result<(), AmqpError>> + Send;
+}
+
+impl Messenger for Broker {
+    async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
+        Broker::send_control(self, agent, msg).await
+    }
+    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        Broker::mark_fence(self, agent).await
+    }
+}
+
+/// The broker operations the loop needs (the real [`Broker`] or a fake).
+/// No method has a default body: a fake implements the whole contract, so
+/// the fake tests run the fencing path, and a new implementation that
+/// forgot a method does not compile.
+pub trait BrokerApi: Messenger {
+    /// Connects if needed.
+    fn ensure_connected(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Ready messages in the pool's queue.
+    fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
+    /// Agent and demand state now.
+    fn snapshot(&self, now: Instant) -> EventSnapshot;
+    /// The broker's reason while it blocks publishing (see
+    /// [`crate::broker::Broker::blocked`]), else `None`.
+    fn blocked(&self) -> Option<String>;
+    /// A confirmed publish that makes a broker alarm visible (see
+    /// [`crate::broker::Broker::probe`]).
+    fn probe(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
+    fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send;
+    /// `(agent, pool)` entries of the registry (see
+    /// [`crate::broker::Broker::registered_agents`]).
+    fn registered_agents(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, AmqpError>> + Send;
+    /// Empties and deletes `agent`'s lease queue (see
+    /// [`crate::broker::Broker::fence`]).
+    fn fence(
+        &self,
+        agent: &str,
+        loss_limit: u32,
+    ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send;
+}
+
+impl BrokerApi for Broker {
+    async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        Broker::ensure_connected(self).await
+    }
+    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        Broker::queue_depth(self, pool).await
+    }
+    fn snapshot(&self, now: Instant) -> EventSnapshot {
+        Broker::snapshot(self, now)
+    }
+    fn blocked(&self) -> Option<String> {
+        Broker::blocked(self)
+    }
+    async fn probe(&self) -> Result<(), AmqpError> {
+        Broker::probe(self).await
+    }
+    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        Broker::pending_fences(self).await
+    }
+    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
+        Broker::registered_agents(self).await
+    }
+    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        Broker::fence(self, agent, loss_limit).await
+    }
+}
+
 /// What fencing one agent did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct FenceReport {
@@ -820,274 +853,6 @@ fn dead_props(lease: &BasicProperties, reason: &str, losses: u32) -> BasicProper
         submitter.as_deref(),
     );
     with_header_u32(props, LOSSES_HEADER, losses)
-}
-
-/// The `failed` event of a dead letter RabbitMQ made itself: its
-/// `x-death` header (most recent death first; else the
-/// `x-first-death-*` headers) names the reason and the queue. `None` for
-/// dead letters vq made (they carry [`REASON_HEADER`], and their maker
-/// publishes the event) and for letters without any death record.
-///
-/// The job fields come from the body; an undecodable body still gets an
-/// event for its AMQP `message_id` (pool from the queue name), and a
-/// letter with neither gets `None`.
-pub fn broker_dead_letter_event(
-    topo: &Topology,
-    props: &BasicProperties,
-    body: &[u8],
-    at: f64,
-) -> Option<JobEvent> {
-    if header_str(props, REASON_HEADER).is_some() {
-        return None;
-    }
-    let headers = props.headers().as_ref()?;
-    let text = |v: &AMQPValue| match v {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    };
-    let latest = match headers.inner().get("x-death") {
-        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().find_map(|d| match d {
-            AMQPValue::FieldTable(t) => Some(t.clone()),
-            _ => None,
-        }),
-        _ => None,
-    };
-    let (reason, queue) = match &latest {
-        Some(t) => (
-            t.inner().get("reason").and_then(text),
-            t.inner().get("queue").and_then(text),
-        ),
-        None => (
-            header_str(props, "x-first-death-reason"),
-            header_str(props, "x-first-death-queue"),
-        ),
-    };
-    let reason = reason?;
-    let queue = queue.unwrap_or_default();
-    let why = match reason.as_str() {
-        "delivery_limit" => format!(
-            " (redelivered more than {} times)",
-            vq_common::topology::POOL_DELIVERY_LIMIT
-        ),
-        "expired" => " (its message TTL ran out before an agent took it)".into(),
-        "rejected" => " (rejected without requeue)".into(),
-        "maxlen" => " (the queue was over its length limit)".into(),
-        _ => String::new(),
-    };
-    let reason = format!("dead-lettered by RabbitMQ: {reason}{why} from queue {queue}");
-    let submitter = header_str(props, SUBMITTER_HEADER)
-        .or_else(|| props.user_id().as_ref().map(|u| u.to_string()));
-    let (job_id, job_name, owner, pool) = match Job::decode(body) {
-        Ok(j) => (j.id, j.name, j.owner, j.pool),
-        Err(_) => {
-            let id = props.message_id().as_ref()?.to_string();
-            let prefix = format!("{}.", topo.jobs_exchange());
-            let pool = queue.strip_prefix(&prefix).unwrap_or_default().to_string();
-            (id, String::new(), String::new(), pool)
-        }
-    };
-    let mut event = JobEvent::about(
-        None,
-        &job_id,
-        &pool,
-        "",
-        submitter.as_deref(),
-        JobState::Failed { reason },
-    );
-    event.job_name = job_name;
-    event.owner = owner;
-    event.at = at;
-    Some(event)
-}
-
-/// Consumes `<c>.dead.watch`: publishes the `failed` event of every dead
-/// letter RabbitMQ made ([`broker_dead_letter_event`]) on `publish`
-/// (confirmed, AMQP `message_id` `<job_id>.failed`, so a redelivered watch
-/// message yields a duplicate consumers drop), then acks. A publish that
-/// fails leaves the message unacked and ends the task (the next cycle
-/// reconnects, and the message is delivered again).
-async fn watch_dead_letters(
-    mut consumer: Consumer,
-    _ch: Channel,
-    publish: Channel,
-    topo: Topology,
-    confirm: Duration,
-    shared: Arc<StdMutex<Shared>>,
-) {
-    let blocked = move || {
-        shared
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .blocked
-            .is_some()
-    };
-    while let Some(delivery) = consumer.next().await {
-        let d = match delivery {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(error = %e, "dead-letter consumer failed");
-                break;
-            }
-        };
-        match broker_dead_letter_event(
-            &topo,
-            &d.properties,
-            &d.data,
-            vq_common::messages::unix_now(),
-        ) {
-            Some(event) => {
-                let props = amqp::event_properties(&event);
-                let sent = amqp::publish_confirmed_patiently(
-                    &publish,
-                    &topo.events_exchange(),
-                    &job_event_key(&event.pool, "failed"),
-                    &event.encode(),
-                    props,
-                    false,
-                    confirm,
-                    &blocked,
-                )
-                .await;
-                if let Err(e) = sent {
-                    tracing::warn!(job_id = %event.job_id, error = %e, "cannot publish the failed event of a dead letter; it is handled again after reconnecting");
-                    break;
-                }
-                let reason = match &event.state {
-                    JobState::Failed { reason } => reason.as_str(),
-                    _ => "",
-                };
-                tracing::warn!(pool = %event.pool, job_id = %event.job_id, reason, "job dead-lettered by RabbitMQ: failed event published");
-            }
-            None => {
-                if header_str(&d.properties, REASON_HEADER).is_none() {
-                    tracing::warn!(message_id = ?d.properties.message_id(), "dead letter without a death record, job id or vq reason: no event");
-                }
-            }
-        }
-        if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-            tracing::warn!(error = %e, "cannot ack a dead-letter copy");
-            break;
-        }
-    }
-    tracing::warn!("dead-letter consumer ended; it restarts with the next broker connection");
-}
-
-/// Remembers that ask-delete `request_id` goes to `agent`, so that only
-/// its answer can allow the agent's VM to be deleted.
-pub fn remember_ask(shared: &mut Shared, agent: &str, request_id: &str) {
-    shared
-        .agents
-        .entry(agent.to_string())
-        .or_default()
-        .remember_ask(request_id);
-}
-
-/// Records one agent event (by routing key `agent.<pool>.<word>`).
-pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Instant) {
-    let word = routing_key.rsplit('.').next().unwrap_or_default();
-    match word {
-        "heartbeat" | "drained" => match Heartbeat::decode(body) {
-            Ok(hb) => {
-                let rec = shared.agents.entry(hb.agent.clone()).or_default();
-                rec.heartbeat = Some((hb, at));
-            }
-            Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed heartbeat"),
-        },
-        "answer" => match DeleteAnswer::decode(body) {
-            Ok(ans) => {
-                tracing::info!(
-                    pool = %ans.pool, agent = %ans.agent, may_delete = ans.may_delete,
-                    running = ans.running.len(), "agent answered ask-delete"
-                );
-                let rec = shared.agents.entry(ans.agent.clone()).or_default();
-                if !rec.asked_for(&ans.request_id) {
-                    tracing::warn!(
-                        pool = %ans.pool, agent = %ans.agent, request_id = %ans.request_id,
-                        "delete answer to a request this controller did not send (restarted?); it never allows a deletion"
-                    );
-                }
-                rec.answer = Some((ans, at));
-            }
-            Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed delete answer"),
-        },
-        _ => tracing::debug!(routing_key, "ignoring agent event"),
-    }
-}
-
-async fn consume_events(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _ch: Channel) {
-    while let Some(delivery) = consumer.next().await {
-        match delivery {
-            Ok(d) => {
-                let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
-                record_event(&mut s, d.routing_key.as_str(), &d.data, Instant::now());
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "agent event consumer failed");
-                break;
-            }
-        }
-    }
-    tracing::warn!("agent event consumer ended; agents are not judged until it runs again");
-    shared
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .listening_since = None;
-}
-
-/// Follows `connection.blocked`/`unblocked` of the controller's connection:
-/// while blocked, agents cannot publish heartbeats either, so nobody is
-/// judged by heartbeats (`listening_since` = `None`); when unblocked, the
-/// heartbeat grace starts again from that moment.
-async fn watch_blocked(
-    events: impl futures_util::Stream<Item = lapin::Event>,
-    shared: Arc<StdMutex<Shared>>,
-) {
-    futures_util::pin_mut!(events);
-    while let Some(e) = events.next().await {
-        let mut sh = shared.lock().unwrap_or_else(|p| p.into_inner());
-        match e {
-            lapin::Event::ConnectionBlocked(reason) => {
-                tracing::warn!(reason = %reason, "the broker blocks publishing (resource alarm): holding all pools, agents are not judged by heartbeats until it ends");
-                sh.blocked = Some(reason);
-                sh.listening_since = None;
-            }
-            lapin::Event::ConnectionUnblocked => {
-                tracing::info!("the broker accepts publishing again; heartbeat grace restarts now");
-                sh.blocked = None;
-                sh.listening_since = Some(Instant::now());
-            }
-            _ => {}
-        }
-    }
-}
-
-async fn consume_demand(mut consumer: Consumer, shared: Arc<StdMutex<Shared>>, _ch: Channel) {
-    while let Some(delivery) = consumer.next().await {
-        let d = match delivery {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(error = %e, "demand consumer failed");
-                break;
-            }
-        };
-        match Demand::decode(&d.data) {
-            Ok(dem) => {
-                tracing::debug!(pool = %dem.pool, queued = dem.queued, running = dem.running, source = %dem.source, "demand");
-                shared
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .demand
-                    .insert(dem.pool.clone(), (dem, Instant::now()));
-            }
-            Err(e) => tracing::warn!(error = %e, "ignoring malformed demand"),
-        }
-        if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
-            tracing::warn!(error = %e, "cannot ack demand");
-            break;
-        }
-    }
-    tracing::warn!("demand consumer ended");
 }
 
 /// Consumes the named queue `queue` with manual acks and prefetch
@@ -1152,48 +917,6 @@ mod tests {
     }
 
     #[test]
-    fn dead_letters_made_by_rabbitmq_get_a_failed_event_and_vq_s_own_do_not() {
-        let topo = Topology::new("vq");
-        let mut death = FieldTable::default();
-        death.insert("reason".into(), AMQPValue::LongString("expired".into()));
-        death.insert("queue".into(), AMQPValue::LongString("vq.jobs.cms".into()));
-        let mut h = FieldTable::default();
-        h.insert(
-            "x-death".into(),
-            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
-        );
-        let props = BasicProperties::default()
-            .with_headers(h.clone())
-            .with_user_id("alice".into());
-        let body = job(true).encode();
-        let e = broker_dead_letter_event(&topo, &props, &body, 1.0).unwrap();
-        assert_eq!((e.job_id.as_str(), e.pool.as_str()), ("7.x", "cms"));
-        assert_eq!(e.submitter.as_deref(), Some("alice"));
-        let JobState::Failed { reason } = &e.state else {
-            panic!("{e:?}")
-        };
-        assert!(
-            reason.starts_with("dead-lettered by RabbitMQ: expired"),
-            "{reason}"
-        );
-        assert!(reason.ends_with("from queue vq.jobs.cms"), "{reason}");
-        // An undecodable body: the message id names it.
-        let p2 = props.clone().with_message_id("m1".into());
-        let e = broker_dead_letter_event(&topo, &p2, b"junk", 1.0).unwrap();
-        assert_eq!((e.job_id.as_str(), e.pool.as_str()), ("m1", "cms"));
-        assert!(broker_dead_letter_event(&topo, &props, b"junk", 1.0).is_none());
-        // vq's own dead letters are reported by whoever made them.
-        let mut own = h;
-        own.insert(
-            REASON_HEADER.into(),
-            AMQPValue::LongString("refused".into()),
-        );
-        let p3 = BasicProperties::default().with_headers(own);
-        assert!(broker_dead_letter_event(&topo, &p3, &body, 1.0).is_none());
-        assert!(broker_dead_letter_event(&topo, &BasicProperties::default(), &body, 1.0).is_none());
-    }
-
-    #[test]
     fn the_broker_user_is_taken_from_the_url_and_is_guest_without_one() {
         let broker = |url: &str| {
             Broker::new(
@@ -1209,85 +932,5 @@ mod tests {
         // RabbitMQ's (and lapin's) default login: control messages must
         // carry it as user_id, or every agent ignores them.
         assert_eq!(broker("amqp://host/%2f").user(), "guest");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn heartbeats_and_answers_are_recorded_by_agent() {
-        let mut s = Shared::default();
-        let t = Instant::now();
-        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"busy","slots":1,"running":["j"],"is_pull":true,"is_del":false,"idle_secs":0,"interval_secs":10,"at":0}"#;
-        record_event(&mut s, "agent.cms.heartbeat", hb, t);
-        let ans = br#"{"agent":"vq-cms-1","pool":"cms","request_id":"r","may_delete":false,"running":["j"],"at":0}"#;
-        record_event(&mut s, "agent.cms.answer", ans, t);
-        record_event(&mut s, "agent.cms.heartbeat", b"not json", t);
-        let rec = &s.agents["vq-cms-1"];
-        assert_eq!(
-            rec.heartbeat.as_ref().unwrap().0.running,
-            vec!["j".to_string()]
-        );
-        assert!(!rec.answer.as_ref().unwrap().0.may_delete);
-        assert_eq!(s.agents.len(), 1);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn only_answers_to_remembered_request_ids_are_matched() {
-        let mut s = Shared::default();
-        let t = Instant::now();
-        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"drained","slots":1,"running":[],"is_pull":false,"is_del":true,"idle_secs":99,"interval_secs":10,"at":0}"#;
-        record_event(&mut s, "agent.cms.heartbeat", hb, t);
-        let ans = |id: &str| {
-            format!(
-                r#"{{"agent":"vq-cms-1","pool":"cms","request_id":"{id}","may_delete":true,"running":[],"at":0}}"#
-            )
-        };
-        let matched = |s: &Shared| {
-            let server = crate::openstack::Server {
-                id: "id1".into(),
-                name: "vq-cms-1".into(),
-                status: "ACTIVE".into(),
-                task_state: None,
-                created: Some(0.0),
-                metadata: [
-                    (crate::openstack::META_CLUSTER.to_string(), "vq".to_string()),
-                    (crate::openstack::META_POOL.to_string(), "cms".to_string()),
-                ]
-                .into(),
-                tags: vec![],
-                fault: None,
-            };
-            let o = crate::observe::assemble(
-                "vq",
-                "cms",
-                &[server],
-                &s.agents,
-                None,
-                0,
-                None,
-                crate::observe::Clock {
-                    now: Instant::now(),
-                    unix_now: 100.0,
-                    listening_secs: 1000.0,
-                },
-            );
-            o.servers[0]
-                .agent
-                .as_ref()
-                .unwrap()
-                .answer
-                .as_ref()
-                .map(|a| a.matched)
-        };
-        // A yes to an id this controller never sent (e.g. before a restart).
-        record_event(&mut s, "agent.cms.answer", ans("old").as_bytes(), t);
-        assert_eq!(matched(&s), Some(false));
-        remember_ask(&mut s, "vq-cms-1", "r1");
-        record_event(&mut s, "agent.cms.answer", ans("r1").as_bytes(), t);
-        assert_eq!(matched(&s), Some(true));
-        // Only the last few ids are kept.
-        for i in 0..crate::observe::ASKED_KEPT {
-            remember_ask(&mut s, "vq-cms-1", &format!("n{i}"));
-        }
-        assert_eq!(matched(&s), Some(false));
-        assert_eq!(s.agents["vq-cms-1"].asked.len(), crate::observe::ASKED_KEPT);
     }
 }

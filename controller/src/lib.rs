@@ -11,11 +11,15 @@
 pub mod act;
 pub mod backoff;
 pub mod broker;
+pub mod dead_watch;
 pub mod error;
+pub mod events;
+pub mod fence;
 pub mod http;
 pub mod observe;
 pub mod openstack;
 pub mod plan;
+pub mod policy;
 pub mod reconcile;
 pub mod status;
 

@@ -1,11 +1,12 @@
 //! The reconcile loop: every `interval_secs`, for each pool that is not
 //! backing off, observe (all or nothing), plan (pure), act, and publish the
-//! result on the status page and in the metrics. The loop keeps only soft
+//! result on the status page and in the metrics; a failed pool is backed
+//! off as [`crate::policy::error_policy`] says, and the leases of lost
+//! agents are returned ([`crate::fence`]). The loop keeps only soft
 //! state (backoff, cooldown instants, the event map): restarting the
 //! controller loses nothing and creates no duplicates.
 
-use std::collections::BTreeMap;
-use std::future::Future;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -13,91 +14,25 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use vq_common::amqp::AmqpError;
 use vq_common::config::{ControllerConfig, Microversion};
-use vq_common::error::chain;
 use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
-use crate::act::{act, Messenger, PoolRef};
+use crate::act::{act, PoolRef};
 use crate::backoff::{PoolBackoff, POOL_BACKOFF};
-use crate::broker::{Broker, EventSnapshot, FenceReport};
+use crate::broker::Broker;
 use crate::error::{CloudError, ObserveError, RunError};
+use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
 use crate::observe::{assemble, Clock, CreatedWatch};
 use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Action, Class, Timing};
+use crate::policy::{error_policy, CycleError};
 use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
 
 /// How long a cycle may go on after a shutdown request, seconds.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
-/// The broker operations the loop needs (the real [`Broker`] or a fake).
-pub trait BrokerApi: Messenger {
-    /// Connects if needed.
-    fn ensure_connected(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
-    /// Ready messages in the pool's queue.
-    fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
-    /// Agent and demand state now.
-    fn snapshot(&self, now: Instant) -> EventSnapshot;
-    /// The broker's reason while it blocks publishing (see
-    /// [`crate::broker::Broker::blocked`]). The default: never blocked.
-    fn blocked(&self) -> Option<String> {
-        None
-    }
-    /// A confirmed publish that makes a broker alarm visible (see
-    /// [`crate::broker::Broker::probe`]). The default does nothing.
-    fn probe(&self) -> impl Future<Output = Result<(), AmqpError>> + Send {
-        async { Ok(()) }
-    }
-    /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
-    /// The default: none (fakes without leases).
-    fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send {
-        async { Ok(Vec::new()) }
-    }
-    /// `(agent, pool)` entries of the registry (see
-    /// [`crate::broker::Broker::registered_agents`]). The default: none.
-    fn registered_agents(
-        &self,
-    ) -> impl Future<Output = Result<Vec<(String, String)>, AmqpError>> + Send {
-        async { Ok(Vec::new()) }
-    }
-    /// Empties and deletes `agent`'s lease queue (see
-    /// [`crate::broker::Broker::fence`]). The default does nothing.
-    fn fence(
-        &self,
-        agent: &str,
-        loss_limit: u32,
-    ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send {
-        let _ = (agent, loss_limit);
-        async { Ok(FenceReport::default()) }
-    }
-}
-
-impl BrokerApi for Broker {
-    async fn ensure_connected(&self) -> Result<(), AmqpError> {
-        Broker::ensure_connected(self).await
-    }
-    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
-        Broker::queue_depth(self, pool).await
-    }
-    fn snapshot(&self, now: Instant) -> EventSnapshot {
-        Broker::snapshot(self, now)
-    }
-    fn blocked(&self) -> Option<String> {
-        Broker::blocked(self)
-    }
-    async fn probe(&self) -> Result<(), AmqpError> {
-        Broker::probe(self).await
-    }
-    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
-        Broker::pending_fences(self).await
-    }
-    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
-        Broker::registered_agents(self).await
-    }
-    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
-        Broker::fence(self, agent, loss_limit).await
-    }
-}
+pub use crate::broker::BrokerApi;
 
 /// Result of one cycle, for tests and `--once`.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -185,18 +120,19 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         &self.broker
     }
 
-    fn fail_pool(
-        &mut self,
-        pool: &str,
-        now: Instant,
-        err: &(dyn std::error::Error + 'static),
-        retry_after: Option<Duration>,
-    ) {
+    /// Backs `pool` off after its cycle failed with `err`, as
+    /// [`error_policy`] says, and shows the whole cause chain on the status
+    /// page.
+    fn fail_pool(&mut self, pool: &str, now: Instant, err: CycleError<'_>) {
+        let next = error_policy(err);
         let b = self.backoff.get_mut(pool).expect("pool has a backoff");
-        let delay = b.failed(now, retry_after);
-        // The whole cause chain, in the log and on the status page.
-        let chain = chain(err);
-        tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
+        let delay = b.failed(now, next.at_least);
+        let chain = err.chain();
+        if next.permanent {
+            tracing::error!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "permanent error; check the pool's configuration, the cloud and the broker account");
+        } else {
+            tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
+        }
         let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
         if let Some(ps) = st.pools.get_mut(pool) {
             ps.last_error = Some(chain);
@@ -254,7 +190,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             self.note_broker_error(&e);
             let e = ObserveError::Broker(e);
             for p in &ready {
-                self.fail_pool(p, now, &e, None);
+                self.fail_pool(p, now, CycleError::Observe(&e));
             }
             summary.failed = ready;
             return summary;
@@ -273,7 +209,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     self.note_broker_error(&e);
                     let e = ObserveError::Probe(e);
                     for p in &ready {
-                        self.fail_pool(p, now, &e, None);
+                        self.fail_pool(p, now, CycleError::Observe(&e));
                     }
                     summary.failed = ready;
                     return summary;
@@ -313,10 +249,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Ok(s) => s,
             Err(e) => {
                 self.metrics.cloud_errors.inc();
-                let ra = e.retry_after();
                 let e = ObserveError::Servers(e);
                 for p in &ready {
-                    self.fail_pool(p, now, &e, ra);
+                    self.fail_pool(p, now, CycleError::Observe(&e));
                 }
                 summary.failed = ready;
                 return summary;
@@ -350,7 +285,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                         queue: Topology::new(self.cfg.cluster.clone()).pool_queue(&pool),
                         source,
                     };
-                    self.fail_pool(&pool, now, &e, None);
+                    self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
                     continue;
                 }
@@ -464,11 +399,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
             match report.errors.first() {
                 Some(e) => {
-                    let ra = e.retry_after();
-                    if !e.is_transient() {
-                        tracing::error!(pool = %pool, error = %e, "permanent error; check the pool's configuration and the cloud");
-                    }
-                    self.fail_pool(&pool, now, e, ra);
+                    self.fail_pool(&pool, now, CycleError::Act(e));
                     summary.failed.push(pool);
                 }
                 None => {
@@ -478,121 +409,25 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
         }
         if !shutdown.is_cancelled() {
-            summary.fenced = self
-                .fence_step(
-                    &servers,
-                    registered.as_deref(),
-                    &events,
-                    clock.listening_secs,
-                    now,
-                )
-                .await;
+            fence::note_registry(&mut self.registry_first_seen, registered.as_deref(), now);
+            let in_nova: BTreeSet<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+            let pools: BTreeSet<&str> = self.cfg.pools.keys().map(String::as_str).collect();
+            let view = FenceView {
+                in_nova: &in_nova,
+                registered: registered.as_deref(),
+                events: &events,
+                registry_first_seen: &self.registry_first_seen,
+                listening_secs: clock.listening_secs,
+                now,
+                timeout_secs: self.cfg.heartbeat_timeout_secs,
+            };
+            let out = fence::fence_step(&self.broker, &view, &pools, self.cfg.loss_limit).await;
+            for e in &out.errors {
+                self.note_broker_error(e);
+            }
+            summary.fenced = out.fenced;
         }
         summary
-    }
-
-    /// Returns the leases of agents whose server is gone: agents marked
-    /// when their server was deleted, and agents of our pools that stopped
-    /// heartbeating and have no server at all (orphans, e.g. after a
-    /// controller restart or a server deleted by hand). Orphans are judged
-    /// only after the controller has listened for a whole heartbeat
-    /// timeout, on its own receive times.
-    async fn fence_step(
-        &mut self,
-        servers: &[crate::openstack::Server],
-        registered: Option<&[(String, String)]>,
-        events: &EventSnapshot,
-        listening_secs: f64,
-        now: Instant,
-    ) -> Vec<String> {
-        let in_nova: std::collections::BTreeSet<&str> =
-            servers.iter().map(|s| s.name.as_str()).collect();
-        let timeout = self.cfg.heartbeat_timeout_secs;
-        let mut refusals = Vec::new();
-        tracing::debug!(agents = events.agents.len(), listening_secs, "fence step");
-        if let Some(reg) = registered {
-            self.registry_first_seen
-                .retain(|a, _| reg.iter().any(|(r, _)| r == a));
-            for (agent, _) in reg {
-                self.registry_first_seen.entry(agent.clone()).or_insert(now);
-            }
-        }
-        if listening_secs >= timeout {
-            for (agent, rec) in &events.agents {
-                let Some((hb, at)) = &rec.heartbeat else {
-                    continue;
-                };
-                let age = now.saturating_duration_since(*at).as_secs_f64();
-                if self.cfg.pools.contains_key(&hb.pool)
-                    && !in_nova.contains(agent.as_str())
-                    && age > timeout
-                {
-                    tracing::warn!(pool = %hb.pool, agent = %agent, heartbeat_age_secs = age, timeout_secs = timeout,
-                        "agent without a server stopped heartbeating: fencing it");
-                    if let Err(e) = self.broker.mark_fence(agent).await {
-                        tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
-                        refusals.push(e);
-                    }
-                }
-            }
-            // Agents registered but not heard during a whole heartbeat
-            // timeout of listening, and without a server: their server
-            // vanished while no controller listened (or was deleted by
-            // someone else). Their leases would otherwise stay forever.
-            for (agent, pool) in registered.unwrap_or_default() {
-                let in_registry = self
-                    .registry_first_seen
-                    .get(agent)
-                    .map_or(0.0, |t| now.saturating_duration_since(*t).as_secs_f64());
-                if !self.cfg.pools.contains_key(pool)
-                    || in_nova.contains(agent.as_str())
-                    || events.agents.contains_key(agent)
-                    || in_registry <= timeout
-                {
-                    // Other controllers' pools are theirs to judge; heard
-                    // agents are judged above, by their heartbeat age; a
-                    // new agent registers before its first heartbeat.
-                    continue;
-                }
-                tracing::warn!(pool = %pool, agent = %agent, listening_secs, timeout_secs = timeout,
-                    "registered agent without a server, not heard since the controller listens: fencing it");
-                if let Err(e) = self.broker.mark_fence(agent).await {
-                    tracing::warn!(agent = %agent, error = %e, "cannot record the fence");
-                    refusals.push(e);
-                }
-            }
-        }
-        for e in &refusals {
-            self.note_broker_error(e);
-        }
-        let pending = match self.broker.pending_fences().await {
-            Ok(p) => p,
-            Err(e) => {
-                self.note_broker_error(&e);
-                tracing::warn!(error = %e, "cannot read the fence queue; leases are returned next cycle");
-                return Vec::new();
-            }
-        };
-        let mut fenced = Vec::new();
-        for agent in pending {
-            if in_nova.contains(agent.as_str()) {
-                tracing::debug!(agent = %agent, "fence pending: server not gone yet");
-                continue;
-            }
-            match self.broker.fence(&agent, self.cfg.loss_limit).await {
-                Ok(r) => {
-                    if !r.requeued.is_empty() || !r.failed.is_empty() {
-                        tracing::warn!(agent = %agent, requeued = ?r.requeued, failed = ?r.failed, "returned the leases of a lost agent");
-                    }
-                    fenced.push(agent);
-                }
-                Err(e) => {
-                    self.note_broker_error(&e);
-                    tracing::warn!(agent = %agent, error = %e, "cannot return the leases of a lost agent; retrying next cycle")
-                }
-            }
-        }
-        fenced
     }
 
     fn publish_status(

@@ -1,5 +1,6 @@
-//! Reconcile against a fake cloud and a fake broker: idempotency, backoff
-//! and quota.
+//! Reconcile against a fake cloud and a fake broker: idempotency, backoff,
+//! quota and fencing. The fake broker implements the whole `BrokerApi`
+//! (the trait has no default bodies), leases included.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -10,7 +11,7 @@ use vq_common::amqp::AmqpError;
 use vq_common::config::{ControllerConfig, PoolConfig};
 use vq_common::messages::Control;
 use vq_controller::act::Messenger;
-use vq_controller::broker::EventSnapshot;
+use vq_controller::broker::{EventSnapshot, FenceReport};
 use vq_controller::error::CloudError;
 use vq_controller::openstack::{CloudApi, CreateServer, Quota, Server};
 use vq_controller::reconcile::{BrokerApi, Controller};
@@ -85,8 +86,15 @@ struct FakeBroker {
     sent: Mutex<Vec<(String, Control)>>,
     blocked: Mutex<Option<String>>,
     registry: Mutex<Vec<(String, String)>>,
+    /// The fence queue: agents marked (in order, repeats kept).
     fences: Mutex<Vec<String>>,
     listening_secs: Mutex<f64>,
+    /// Lease queues: agent id → job ids held.
+    leases: Mutex<BTreeMap<String, Vec<String>>>,
+    /// Every `fence` call: (agent, loss limit).
+    fenced: Mutex<Vec<(String, u32)>>,
+    /// Probes published.
+    probes: Mutex<u32>,
 }
 
 impl Messenger for FakeBroker {
@@ -116,8 +124,39 @@ impl BrokerApi for FakeBroker {
     fn blocked(&self) -> Option<String> {
         self.blocked.lock().unwrap().clone()
     }
+    async fn probe(&self) -> Result<(), AmqpError> {
+        *self.probes.lock().unwrap() += 1;
+        Ok(())
+    }
+    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        let mut f = self.fences.lock().unwrap().clone();
+        f.sort();
+        f.dedup();
+        Ok(f)
+    }
     async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
         Ok(self.registry.lock().unwrap().clone())
+    }
+    /// As the real one: every lease of `agent` back to its pool (this fake
+    /// has no job bodies: all count as rerunnable), the lease queue, the
+    /// registry entry and the fence entry gone.
+    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        self.fenced
+            .lock()
+            .unwrap()
+            .push((agent.to_string(), loss_limit));
+        let requeued = self
+            .leases
+            .lock()
+            .unwrap()
+            .remove(agent)
+            .unwrap_or_default();
+        self.registry.lock().unwrap().retain(|(a, _)| a != agent);
+        self.fences.lock().unwrap().retain(|a| a != agent);
+        Ok(FenceReport {
+            requeued,
+            failed: Vec::new(),
+        })
     }
 }
 
@@ -258,12 +297,104 @@ async fn the_registry_fences_only_unheard_agents_of_its_own_pools_without_a_serv
     let mut ctl = Controller::new(config(0), cloud, b);
     let stop = CancellationToken::new();
     // Not in the first heartbeat timeout after the controller starts.
-    ctl.cycle(&stop).await;
+    let s = ctl.cycle(&stop).await;
     assert!(ctl.broker().fences.lock().unwrap().is_empty());
+    assert!(s.fenced.is_empty(), "{s:?}");
     tokio::time::advance(std::time::Duration::from_secs(3600)).await;
-    ctl.cycle(&stop).await;
+    // Marked and, having no server, fenced in the same cycle: its registry
+    // entry and fence mark are gone afterwards.
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.fenced, vec!["lost-mine".to_string()], "{s:?}");
+    let limit = ControllerConfig::default().loss_limit;
+    assert_eq!(
+        *ctl.broker().fenced.lock().unwrap(),
+        vec![("lost-mine".to_string(), limit)]
+    );
+    assert!(ctl.broker().fences.lock().unwrap().is_empty());
+    assert!(!ctl
+        .broker()
+        .registry
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|(a, _)| a == "lost-mine"));
+}
+
+fn server(name: &str) -> Server {
+    Server {
+        id: format!("srv-{name}"),
+        name: name.into(),
+        status: "ACTIVE".into(),
+        task_state: None,
+        created: Some(vq_common::messages::unix_now()),
+        metadata: [
+            ("vq-cluster".to_string(), "vq".to_string()),
+            ("vq-pool".to_string(), "cms".to_string()),
+        ]
+        .into(),
+        tags: vec![vq_controller::openstack::cluster_tag(
+            &ControllerConfig::default().cluster,
+        )],
+        fault: None,
+    }
+}
+
+#[tokio::test]
+async fn a_fenced_agent_s_leases_are_returned_once_its_server_is_gone() {
+    let b = broker_with_depth(0);
+    *b.fences.lock().unwrap() = vec!["vq-cms-1".into()];
+    b.leases
+        .lock()
+        .unwrap()
+        .insert("vq-cms-1".into(), vec!["j1".into(), "j2".into()]);
+    let cloud = FakeCloud::default();
+    cloud.servers.lock().unwrap().push(server("vq-cms-1"));
+    let mut cfg = config(0);
+    cfg.loss_limit = 5;
+    let mut ctl = Controller::new(cfg, cloud, b);
+    let stop = CancellationToken::new();
+    // The server still exists: its agent may still run the jobs.
+    let s = ctl.cycle(&stop).await;
+    assert!(s.fenced.is_empty(), "{s:?}");
+    assert!(ctl.broker().fenced.lock().unwrap().is_empty());
+    assert_eq!(ctl.broker().leases.lock().unwrap()["vq-cms-1"].len(), 2);
+    // Gone from Nova: the leases go back, with the operator's loss limit.
+    ctl.cloud().servers.lock().unwrap().clear();
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.fenced, vec!["vq-cms-1".to_string()], "{s:?}");
+    assert_eq!(
+        *ctl.broker().fenced.lock().unwrap(),
+        vec![("vq-cms-1".to_string(), 5)]
+    );
+    assert!(ctl.broker().leases.lock().unwrap().is_empty());
+    // Once: the fence entry is gone, nothing is fenced again.
+    let s = ctl.cycle(&stop).await;
+    assert!(s.fenced.is_empty(), "{s:?}");
+    assert_eq!(ctl.broker().fenced.lock().unwrap().len(), 1);
+    assert!(
+        *ctl.broker().probes.lock().unwrap() >= 3,
+        "every cycle probes"
+    );
+}
+
+#[tokio::test]
+async fn a_server_deleted_by_the_plan_is_marked_for_fencing_before_the_delete() {
+    // An ERROR server is deleted at once; its agent is marked first.
+    let b = broker_with_depth(0);
+    let cloud = FakeCloud::default();
+    let mut broken = server("vq-cms-2");
+    broken.status = "ERROR".into();
+    cloud.servers.lock().unwrap().push(broken);
+    let mut ctl = Controller::new(config(0), cloud, b);
+    let stop = CancellationToken::new();
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.deleted, 1, "{s:?}");
     assert_eq!(
         *ctl.broker().fences.lock().unwrap(),
-        vec!["lost-mine".to_string()]
+        vec!["vq-cms-2".to_string()]
     );
+    // The next cycle sees no server: the mark turns into a fence.
+    let s = ctl.cycle(&stop).await;
+    assert_eq!(s.fenced, vec!["vq-cms-2".to_string()], "{s:?}");
+    assert!(ctl.broker().fences.lock().unwrap().is_empty());
 }

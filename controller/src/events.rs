@@ -1,0 +1,284 @@
+//! The event book: what the controller heard from agents (heartbeats,
+//! delete answers, drained notices) and bridges (demand), stamped with the
+//! controller's own monotonic receive time (the agents' clocks are never
+//! trusted for liveness), and the consumers that fill it. The broker
+//! session ([`crate::broker`]) starts the consumers; each cycle takes a
+//! [`Shared::snapshot`].
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::BasicAckOptions;
+use lapin::{Channel, Consumer};
+use tokio::time::Instant;
+use vq_common::messages::{DeleteAnswer, Demand, Heartbeat, Message};
+
+use crate::observe::{AgentRecord, DemandMap};
+
+/// Agent records not refreshed for this long are forgotten, seconds.
+pub const AGENT_RECORD_TTL_SECS: u64 = 3600;
+
+/// What the event consumers collected.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// Latest heartbeat and answer per agent id.
+    pub agents: BTreeMap<String, AgentRecord>,
+    /// Latest demand per pool.
+    pub demand: DemandMap,
+    /// Since when the event consumer has run without interruption (and
+    /// the broker has not blocked the connection).
+    pub listening_since: Option<Instant>,
+    /// The broker's reason while it blocks this connection
+    /// (`connection.blocked`: a memory or disk alarm), else `None`.
+    pub blocked: Option<String>,
+}
+
+impl Shared {
+    /// A copy of the agent and demand state at `now`, with agent records
+    /// older than [`AGENT_RECORD_TTL_SECS`] forgotten first.
+    pub fn snapshot(&mut self, now: Instant) -> EventSnapshot {
+        let ttl = Duration::from_secs(AGENT_RECORD_TTL_SECS);
+        self.agents.retain(|_, rec| {
+            let last = [
+                rec.heartbeat.as_ref().map(|h| h.1),
+                rec.answer.as_ref().map(|a| a.1),
+            ]
+            .into_iter()
+            .flatten()
+            .max();
+            last.is_some_and(|t| now.saturating_duration_since(t) < ttl)
+        });
+        EventSnapshot {
+            agents: self.agents.clone(),
+            demand: self.demand.clone(),
+            listening_secs: self
+                .listening_since
+                .map(|t| now.saturating_duration_since(t).as_secs_f64())
+                .unwrap_or(0.0),
+        }
+    }
+}
+
+/// Snapshot of the event state at one instant.
+#[derive(Debug, Clone, Default)]
+pub struct EventSnapshot {
+    /// Latest heartbeat and answer per agent id.
+    pub agents: BTreeMap<String, AgentRecord>,
+    /// Latest demand per pool.
+    pub demand: DemandMap,
+    /// Seconds the event consumer has run without interruption (0 if it
+    /// does not run).
+    pub listening_secs: f64,
+}
+
+/// Remembers that ask-delete `request_id` goes to `agent`, so that only
+/// its answer can allow the agent's VM to be deleted.
+pub fn remember_ask(shared: &mut Shared, agent: &str, request_id: &str) {
+    shared
+        .agents
+        .entry(agent.to_string())
+        .or_default()
+        .remember_ask(request_id);
+}
+
+/// Records one agent event (by routing key `agent.<pool>.<word>`).
+pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Instant) {
+    let word = routing_key.rsplit('.').next().unwrap_or_default();
+    match word {
+        "heartbeat" | "drained" => match Heartbeat::decode(body) {
+            Ok(hb) => {
+                let rec = shared.agents.entry(hb.agent.clone()).or_default();
+                rec.heartbeat = Some((hb, at));
+            }
+            Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed heartbeat"),
+        },
+        "answer" => match DeleteAnswer::decode(body) {
+            Ok(ans) => {
+                tracing::info!(
+                    pool = %ans.pool, agent = %ans.agent, may_delete = ans.may_delete,
+                    running = ans.running.len(), "agent answered ask-delete"
+                );
+                let rec = shared.agents.entry(ans.agent.clone()).or_default();
+                if !rec.asked_for(&ans.request_id) {
+                    tracing::warn!(
+                        pool = %ans.pool, agent = %ans.agent, request_id = %ans.request_id,
+                        "delete answer to a request this controller did not send (restarted?); it never allows a deletion"
+                    );
+                }
+                rec.answer = Some((ans, at));
+            }
+            Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed delete answer"),
+        },
+        _ => tracing::debug!(routing_key, "ignoring agent event"),
+    }
+}
+
+pub(crate) async fn consume_events(
+    mut consumer: Consumer,
+    shared: Arc<StdMutex<Shared>>,
+    _ch: Channel,
+) {
+    while let Some(delivery) = consumer.next().await {
+        match delivery {
+            Ok(d) => {
+                let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
+                record_event(&mut s, d.routing_key.as_str(), &d.data, Instant::now());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "agent event consumer failed");
+                break;
+            }
+        }
+    }
+    tracing::warn!("agent event consumer ended; agents are not judged until it runs again");
+    shared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .listening_since = None;
+}
+
+/// Follows `connection.blocked`/`unblocked` of the controller's connection:
+/// while blocked, agents cannot publish heartbeats either, so nobody is
+/// judged by heartbeats (`listening_since` = `None`); when unblocked, the
+/// heartbeat grace starts again from that moment.
+pub(crate) async fn watch_blocked(
+    events: impl futures_util::Stream<Item = lapin::Event>,
+    shared: Arc<StdMutex<Shared>>,
+) {
+    futures_util::pin_mut!(events);
+    while let Some(e) = events.next().await {
+        let mut sh = shared.lock().unwrap_or_else(|p| p.into_inner());
+        match e {
+            lapin::Event::ConnectionBlocked(reason) => {
+                tracing::warn!(reason = %reason, "the broker blocks publishing (resource alarm): holding all pools, agents are not judged by heartbeats until it ends");
+                sh.blocked = Some(reason);
+                sh.listening_since = None;
+            }
+            lapin::Event::ConnectionUnblocked => {
+                tracing::info!("the broker accepts publishing again; heartbeat grace restarts now");
+                sh.blocked = None;
+                sh.listening_since = Some(Instant::now());
+            }
+            _ => {}
+        }
+    }
+}
+
+pub(crate) async fn consume_demand(
+    mut consumer: Consumer,
+    shared: Arc<StdMutex<Shared>>,
+    _ch: Channel,
+) {
+    while let Some(delivery) = consumer.next().await {
+        let d = match delivery {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "demand consumer failed");
+                break;
+            }
+        };
+        match Demand::decode(&d.data) {
+            Ok(dem) => {
+                tracing::debug!(pool = %dem.pool, queued = dem.queued, running = dem.running, source = %dem.source, "demand");
+                shared
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .demand
+                    .insert(dem.pool.clone(), (dem, Instant::now()));
+            }
+            Err(e) => tracing::warn!(error = %e, "ignoring malformed demand"),
+        }
+        if let Err(e) = d.acker.ack(BasicAckOptions::default()).await {
+            tracing::warn!(error = %e, "cannot ack demand");
+            break;
+        }
+    }
+    tracing::warn!("demand consumer ended");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn heartbeats_and_answers_are_recorded_by_agent() {
+        let mut s = Shared::default();
+        let t = Instant::now();
+        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"busy","slots":1,"running":["j"],"is_pull":true,"is_del":false,"idle_secs":0,"interval_secs":10,"at":0}"#;
+        record_event(&mut s, "agent.cms.heartbeat", hb, t);
+        let ans = br#"{"agent":"vq-cms-1","pool":"cms","request_id":"r","may_delete":false,"running":["j"],"at":0}"#;
+        record_event(&mut s, "agent.cms.answer", ans, t);
+        record_event(&mut s, "agent.cms.heartbeat", b"not json", t);
+        let rec = &s.agents["vq-cms-1"];
+        assert_eq!(
+            rec.heartbeat.as_ref().unwrap().0.running,
+            vec!["j".to_string()]
+        );
+        assert!(!rec.answer.as_ref().unwrap().0.may_delete);
+        assert_eq!(s.agents.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_answers_to_remembered_request_ids_are_matched() {
+        let mut s = Shared::default();
+        let t = Instant::now();
+        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"drained","slots":1,"running":[],"is_pull":false,"is_del":true,"idle_secs":99,"interval_secs":10,"at":0}"#;
+        record_event(&mut s, "agent.cms.heartbeat", hb, t);
+        let ans = |id: &str| {
+            format!(
+                r#"{{"agent":"vq-cms-1","pool":"cms","request_id":"{id}","may_delete":true,"running":[],"at":0}}"#
+            )
+        };
+        let matched = |s: &Shared| {
+            let server = crate::openstack::Server {
+                id: "id1".into(),
+                name: "vq-cms-1".into(),
+                status: "ACTIVE".into(),
+                task_state: None,
+                created: Some(0.0),
+                metadata: [
+                    (crate::openstack::META_CLUSTER.to_string(), "vq".to_string()),
+                    (crate::openstack::META_POOL.to_string(), "cms".to_string()),
+                ]
+                .into(),
+                tags: vec![],
+                fault: None,
+            };
+            let o = crate::observe::assemble(
+                "vq",
+                "cms",
+                &[server],
+                &s.agents,
+                None,
+                0,
+                None,
+                crate::observe::Clock {
+                    now: Instant::now(),
+                    unix_now: 100.0,
+                    listening_secs: 1000.0,
+                },
+            );
+            o.servers[0]
+                .agent
+                .as_ref()
+                .unwrap()
+                .answer
+                .as_ref()
+                .map(|a| a.matched)
+        };
+        // A yes to an id this controller never sent (e.g. before a restart).
+        record_event(&mut s, "agent.cms.answer", ans("old").as_bytes(), t);
+        assert_eq!(matched(&s), Some(false));
+        remember_ask(&mut s, "vq-cms-1", "r1");
+        record_event(&mut s, "agent.cms.answer", ans("r1").as_bytes(), t);
+        assert_eq!(matched(&s), Some(true));
+        // Only the last few ids are kept.
+        for i in 0..crate::observe::ASKED_KEPT {
+            remember_ask(&mut s, "vq-cms-1", &format!("n{i}"));
+        }
+        assert_eq!(matched(&s), Some(false));
+        assert_eq!(s.agents["vq-cms-1"].asked.len(), crate::observe::ASKED_KEPT);
+    }
+}
