@@ -92,7 +92,9 @@ cloud = "cloudsim"
 [pools.$POOL]
 flavor = "m1.small"
 image = "vq-worker"
-agent_broker_url = "amqp://$CTL_USER:$CTL_PASS@$BROKER_HOST/%2f"
+# the agents log in with the agent account, never the controller's: the
+# identity file (user-data) is readable by jobs on the VM
+agent_broker_url = "amqp://$AGENT_USER:$AGENT_PASS@$BROKER_HOST/%2f"
 min = 0
 max = 3
 slots = 2
@@ -173,6 +175,17 @@ while :; do
   "${VQ[@]}" pools | sed 's/^/   /'
 done
 [ "$MAX_VMS" -ge 1 ] || fail "the pool never scaled up"
+# Every VM's identity file (what cloud-init wrote from user-data) names
+# the agent account, and none carries the controller's password.
+shopt -s nullglob
+IDS=("$WORK"/sim/vms/*/identity.toml)
+shopt -u nullglob
+[ "${#IDS[@]}" -ge 1 ] || fail "no VM identity file under $WORK/sim/vms"
+for f in "${IDS[@]}"; do
+  grep -q "amqp://$AGENT_USER:" "$f" || fail "$f does not log the agent in as $AGENT_USER"
+  if grep -q "$CTL_PASS" "$f"; then fail "$f carries the controller's password"; fi
+done
+echo "${#IDS[@]} VM identity file(s): agents log in as $AGENT_USER"
 echo "pool peaked at $MAX_VMS VM(s)"
 
 FINISHED=0

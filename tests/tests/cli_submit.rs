@@ -41,6 +41,11 @@ struct Sides {
 
 impl Sides {
     async fn new(pools: &[&str]) -> Sides {
+        // Build `vq` before any connection is open: the build blocks this
+        // test's runtime (minutes on a loaded machine), and a connection
+        // whose heartbeats stop meanwhile is closed by the broker, taking
+        // the test's exclusive queues with it.
+        build_bin("vq-cli", "vq").unwrap();
         let broker = TestBroker::connect(&unique_cluster(), pools).await.unwrap();
         let (agent, agent_ch) =
             connect_role(&shared_broker().unwrap(), Role::Agent, "vq-cli-test agent")

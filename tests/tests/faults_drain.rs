@@ -347,10 +347,20 @@ async fn trial(
     let queued = queue_len(broker, &broker.topo.pool_queue(POOL))
         .await
         .unwrap_or(0);
-    let expect_queued = if claimed { 1 } else { 2 };
+    // The late job, and the long job unless it was claimed. A claimed
+    // rerunnable long job waits in the stopped agent's lease queue until
+    // the controller, a heartbeat timeout (2 s) after the last heartbeat,
+    // fences the agent and returns it: on a loaded machine that may have
+    // happened already, so both counts are right then (the exactly-once
+    // accounting below checks the job's runs).
+    let expect_queued: &[u32] = match (claimed, rerunnable) {
+        (false, _) => &[2],
+        (true, false) => &[1],
+        (true, true) => &[1, 2],
+    };
     ensure!(
-        queued == expect_queued,
-        "trial {t}: {queued} job(s) in the pool queue after the drain, expected {expect_queued}"
+        expect_queued.contains(&queued),
+        "trial {t}: {queued} job(s) in the pool queue after the drain, expected {expect_queued:?}"
     );
     if claimed && !rerunnable {
         let f = tap
