@@ -196,7 +196,11 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
             POOL,
             &alice.name,
             &format!("held{trial}"),
-            &format!("{}echo held-done\n", wait_for(&held)),
+            &format!(
+                "{}echo held-done\ntouch {}.done\n",
+                wait_for(&held),
+                held.display()
+            ),
         );
         let next = job(POOL, &alice.name, &format!("next{trial}"), "echo next\n");
         writer.publish_job(&running).await?;
@@ -230,7 +234,17 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
 
         // The job ends during the alarm; its result waits.
         std::fs::write(&held, "")?;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Wait for the job's own end (its marker), not for time: its
+        // result is then in the agent's hands, behind the blocked connection.
+        let done = std::path::PathBuf::from(format!("{}.done", held.display()));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done.exists() {
+            ensure!(
+                Instant::now() < deadline,
+                "trial {trial}: the held job never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         seen.poll(&reader).await?;
         ensure!(
             seen.finals(&running.id).is_empty(),
