@@ -206,12 +206,20 @@ pub(crate) async fn handle_delivery(
 
 /// Ends the current broker session because an outcome is unknown: the
 /// broker then returns every unacked delivery of it to its queue, and the
-/// next session resolves what is pending before it pulls.
-fn end_session(ctx: &Ctx, why: &str) {
+/// next session resolves what is pending before it pulls. An `error` that
+/// is a broker refusal (not [`AmqpError::is_transient`]) makes the next
+/// session wait with a growing backoff: a refusal repeats, and each
+/// session that fails a claim returns a delivery to the pool, spending the
+/// pool queue's delivery limit.
+fn end_session(ctx: &Ctx, why: &str, error: &AmqpError) {
     warn!(
         why,
         "ending the broker session: an outcome is unknown and is resolved on the next session"
     );
+    if !error.is_transient() {
+        ctx.session_refused
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     ctx.restart_session
         .store(true, std::sync::atomic::Ordering::SeqCst);
     ctx.shared.pull_changed.notify_one();
@@ -268,7 +276,7 @@ async fn claim_and_run(
             // discarded by the next lease scan; the delivery goes back to
             // the pool when this session ends.
             warn!(error = %chain(&e), "lease copy not confirmed: abandoning the claim");
-            end_session(ctx, "lease copy not confirmed");
+            end_session(ctx, "lease copy not confirmed", &e);
         }
         ctx.shared.release(&key);
         return;
@@ -281,7 +289,7 @@ async fn claim_and_run(
             Ok(m) => break m,
             Err(e) => {
                 warn!(error = %chain(&e), "claim marker not confirmed: declaring it again on the next session");
-                end_session(ctx, "claim marker not confirmed");
+                end_session(ctx, "claim marker not confirmed", &e);
                 same_session = false;
                 if next_session(ctx, generation).await.is_none() {
                     // Stopping: the marker (if made) names this agent; the
