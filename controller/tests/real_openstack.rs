@@ -79,3 +79,40 @@ async fn real_openstack_roundtrip() {
         .await
         .expect("deleting a gone server succeeds");
 }
+
+/// Against real Nova's version document: the default microversion is
+/// served, and one above the cloud's maximum is refused naming both
+/// versions (the controller refuses to start with this error).
+#[tokio::test]
+#[ignore = "needs a real OpenStack (set OSFIX and OS_CLOUD)"]
+async fn real_nova_version_document_decides_the_microversion() {
+    if std::env::var("OSFIX").is_err() {
+        eprintln!("OSFIX not set; skipping");
+        return;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let env = |k: &str| std::env::var(k).ok();
+    let creds = || Credentials::discover(&OpenStackSection::default(), &env).unwrap();
+    let served = HttpCloud::new(creds(), None)
+        .unwrap()
+        .check_compute_version()
+        .await
+        .expect("real Nova serves vq's default microversion");
+    eprintln!("compute microversions {} to {}", served.min, served.max);
+    let above = vq_common::config::Microversion {
+        major: served.max.major,
+        minor: served.max.minor + 1,
+    };
+    let err = HttpCloud::new(creds(), Some(above))
+        .unwrap()
+        .check_compute_version()
+        .await
+        .expect_err("a microversion above the cloud's maximum is refused");
+    let text = err.to_string();
+    assert!(
+        matches!(err, vq_controller::error::CloudError::Microversion { .. })
+            && text.contains(&above.to_string())
+            && text.contains(&served.max.to_string()),
+        "the refusal names both versions: {text}"
+    );
+}
