@@ -258,7 +258,7 @@ async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> any
         .lines()
         .filter(|l| l.contains(ended))
         .filter_map(|l| l.split_whitespace().next())
-        .filter_map(|t| chrono_like_secs(t))
+        .filter_map(chrono_like_secs)
         .collect();
     ensure!(
         starts.len() >= 5 && starts[4] - starts[0] >= 3.75,
