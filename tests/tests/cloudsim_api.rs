@@ -477,10 +477,17 @@ async fn deleting_a_server_kills_the_agent_tree_and_the_server_disappears() -> R
 
 /// An agent whose job leaves its process tree at once: a double fork puts
 /// the job in its own session under init (or the nearest subreaper), as a
-/// daemonising job does. `agent.pid` is written after the job is orphaned.
+/// daemonising job does. Like the jobagent, it runs the job in a cgroup
+/// below its own (`vq-job-1`). `agent.pid` is written after the job is
+/// orphaned.
 const DAEMONISING_AGENT: &str = r#"#!/bin/sh
 vm=$(dirname "$4")
-( setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $! > "$vm/job.pid.tmp" && mv "$vm/job.pid.tmp" "$vm/job.pid" )
+mnt=$(awk '/ - cgroup2 / {print $5; exit}' /proc/self/mountinfo)
+cg="$mnt$(sed -n 's/^0:://p' /proc/self/cgroup)"
+mkdir "$cg/vq-job-1"
+( echo 0 > "$cg/vq-job-1/cgroup.procs"
+  setsid sleep 300 </dev/null >/dev/null 2>&1 &
+  echo $! > "$vm/job.pid.tmp" && mv "$vm/job.pid.tmp" "$vm/job.pid" )
 echo $$ > "$vm/agent.pid.tmp" && mv "$vm/agent.pid.tmp" "$vm/agent.pid"
 exec sleep 300
 "#;
@@ -599,6 +606,15 @@ async fn deleting_a_server_kills_a_job_that_left_the_agent_s_process_tree() -> R
     assert!(alive(agent) && alive(job));
     assert_ne!(parent_of(job), Some(agent), "job {job} not orphaned");
     let cgroup = vm_cgroup(&cloud, &id, agent).await?;
+    if let Some(cgroup) = &cgroup {
+        let job_cgroup = cgroup.join("vq-job-1");
+        let procs = std::fs::read_to_string(job_cgroup.join("cgroup.procs"))?;
+        assert!(
+            procs.lines().any(|l| l.trim() == job.to_string()),
+            "job {job} not in the nested {}: {procs}",
+            job_cgroup.display()
+        );
+    }
 
     delete_and_wait_gone(&cloud, &token, &id).await?;
     assert!(!alive(agent), "agent {agent} survived the delete");
