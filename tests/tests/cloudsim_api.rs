@@ -475,6 +475,195 @@ async fn deleting_a_server_kills_the_agent_tree_and_the_server_disappears() -> R
     Ok(())
 }
 
+/// An agent whose job leaves its process tree at once: a double fork puts
+/// the job in its own session under init (or the nearest subreaper), as a
+/// daemonising job does. Like the jobagent, it runs the job in a cgroup
+/// below its own (`vq-job-1`). `agent.pid` is written after the job is
+/// orphaned.
+const DAEMONISING_AGENT: &str = r#"#!/bin/sh
+vm=$(dirname "$4")
+mnt=$(awk '/ - cgroup2 / {print $5; exit}' /proc/self/mountinfo)
+cg="$mnt$(sed -n 's/^0:://p' /proc/self/cgroup)"
+mkdir "$cg/vq-job-1"
+( echo 0 > "$cg/vq-job-1/cgroup.procs"
+  setsid sleep 300 </dev/null >/dev/null 2>&1 &
+  echo $! > "$vm/job.pid.tmp" && mv "$vm/job.pid.tmp" "$vm/job.pid" )
+echo $$ > "$vm/agent.pid.tmp" && mv "$vm/agent.pid.tmp" "$vm/agent.pid"
+exec sleep 300
+"#;
+
+/// Whether the system mounts cgroup v2 at all (the containment of a VM
+/// needs it; without it the sim falls back to killing the process tree).
+fn cgroup2_mounted() -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| {
+        m.lines().any(|l| {
+            l.split_once(" - ")
+                .is_some_and(|(_, post)| post.starts_with("cgroup2 "))
+        })
+    })
+}
+
+/// Root with cgroup v2, else prints why the test is skipped.
+fn can_contain_vms() -> bool {
+    if !vq_tests::harness::require_root() {
+        return false;
+    }
+    if !cgroup2_mounted() {
+        eprintln!("skipped: no cgroup v2 mounted");
+        return false;
+    }
+    true
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+async fn sim_server(cloud: &Cloud, id: &str) -> Result<Value> {
+    let sims: Value = cloud
+        .http
+        .get(format!("{}/_sim/servers", cloud.base()))
+        .send()
+        .await?
+        .json()
+        .await?;
+    sims["servers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["id"] == id))
+        .cloned()
+        .with_context(|| format!("server {id} not in /_sim/servers: {sims}"))
+}
+
+/// Delete the server and wait until Nova answers 404 for it.
+async fn delete_and_wait_gone(cloud: &Cloud, token: &str, id: &str) -> Result<()> {
+    let (status, _, _) = cloud
+        .call(
+            reqwest::Method::DELETE,
+            &cloud.nova(&format!("/servers/{id}")),
+            token,
+            "2.96",
+            None,
+        )
+        .await?;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cloud.get(&format!("/servers/{id}"), token).await?.0 != StatusCode::NOT_FOUND {
+        if Instant::now() > deadline {
+            bail!("server {id} never disappeared");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// The VM's cgroup as `/_sim/servers` reports it (checked to hold the
+/// agent), if any; whether there is one is asserted after the kill checks.
+async fn vm_cgroup(cloud: &Cloud, id: &str, agent: i32) -> Result<Option<PathBuf>> {
+    let sim = sim_server(cloud, id).await?;
+    let Some(cgroup) = sim["cgroup"].as_str().map(PathBuf::from) else {
+        return Ok(None);
+    };
+    let procs = std::fs::read_to_string(cgroup.join("cgroup.procs"))?;
+    assert!(
+        procs.lines().any(|l| l.trim() == agent.to_string()),
+        "agent {agent} not in {}: {procs}",
+        cgroup.display()
+    );
+    Ok(Some(cgroup))
+}
+
+/// The VM had a cgroup and its deletion removed it.
+fn assert_cgroup_removed(id: &str, cgroup: Option<PathBuf>) -> Result<()> {
+    let cgroup = cgroup.with_context(|| format!("server {id} ran in no cgroup"))?;
+    assert!(!cgroup.exists(), "{} left behind", cgroup.display());
+    Ok(())
+}
+
+#[tokio::test]
+#[ignore = "needs root"]
+async fn deleting_a_server_kills_a_job_that_left_the_agent_s_process_tree() -> Result<()> {
+    if !can_contain_vms() {
+        return Ok(());
+    }
+    let scripts = tempfile::tempdir()?;
+    let agent_bin = scripts.path().join("daemonising-agent.sh");
+    std::fs::write(&agent_bin, DAEMONISING_AGENT)?;
+    std::fs::set_permissions(&agent_bin, std::fs::Permissions::from_mode(0o755))?;
+    let cloud = Cloud::start(|c| c.agent_bin = agent_bin.clone()).await?;
+    let token = cloud.token().await?;
+    let mut spec = server("vq-p1-daemon");
+    spec["user_data"] = json!(user_data("pool = \"p1\"\n"));
+    let id = cloud.create_ok(&token, spec).await?;
+    cloud.wait_status(&token, &id, "ACTIVE").await?;
+    let agent = read_pid(&cloud.vm_dir(&id).join("agent.pid")).await?;
+    let job = read_pid(&cloud.vm_dir(&id).join("job.pid")).await?;
+    assert!(alive(agent) && alive(job));
+    assert_ne!(parent_of(job), Some(agent), "job {job} not orphaned");
+    let cgroup = vm_cgroup(&cloud, &id, agent).await?;
+    if let Some(cgroup) = &cgroup {
+        let job_cgroup = cgroup.join("vq-job-1");
+        let procs = std::fs::read_to_string(job_cgroup.join("cgroup.procs"))?;
+        assert!(
+            procs.lines().any(|l| l.trim() == job.to_string()),
+            "job {job} not in the nested {}: {procs}",
+            job_cgroup.display()
+        );
+    }
+
+    delete_and_wait_gone(&cloud, &token, &id).await?;
+    assert!(!alive(agent), "agent {agent} survived the delete");
+    assert!(
+        !alive(job),
+        "daemonised job {job} survived the deletion of its VM"
+    );
+    assert_cgroup_removed(&id, cgroup)
+}
+
+#[tokio::test]
+#[ignore = "needs root"]
+async fn deleting_a_server_kills_the_jobs_its_killed_agent_left_behind() -> Result<()> {
+    if !can_contain_vms() {
+        return Ok(());
+    }
+    let cloud = Cloud::start(|_| {}).await?;
+    let token = cloud.token().await?;
+    let mut spec = server("vq-p1-kill9");
+    spec["user_data"] = json!(user_data("pool = \"p1\"\n"));
+    let id = cloud.create_ok(&token, spec).await?;
+    cloud.wait_status(&token, &id, "ACTIVE").await?;
+    let agent = read_pid(&cloud.vm_dir(&id).join("agent.pid")).await?;
+    let job = read_pid(&cloud.vm_dir(&id).join("job.pid")).await?;
+    let cgroup = vm_cgroup(&cloud, &id, agent).await?;
+
+    // The agent dies alone (kill -9); the VM stays up with its job in it.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sim_server(&cloud, &id).await?["agent_running"] != false {
+        if Instant::now() > deadline {
+            bail!("the sim never saw agent {agent} exit");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(alive(job), "job {job} died with its agent");
+    assert_ne!(parent_of(job), Some(agent), "job {job} not orphaned");
+
+    delete_and_wait_gone(&cloud, &token, &id).await?;
+    assert!(
+        !alive(job),
+        "job {job} of the killed agent survived the deletion of its VM"
+    );
+    assert_cgroup_removed(&id, cgroup)
+}
+
 #[tokio::test]
 async fn listing_paginates_with_markers_and_next_links() -> Result<()> {
     let cloud = Cloud::start(|c| c.quota_instances = 20).await?;

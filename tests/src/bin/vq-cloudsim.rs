@@ -2,6 +2,10 @@
 //!
 //! Prints `READY http://ADDR` on stdout once it serves and `clouds.yaml` is
 //! written; logs to stderr; SIGTERM or SIGINT stops every VM and exits 0.
+//! Each VM runs in a cgroup v2 of its own, `vq-cloudsim/<server id>` below
+//! the cgroup this process runs in (root needed), so deleting a server
+//! kills every process of it; without one it warns and kills the agent's
+//! process tree only.
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;

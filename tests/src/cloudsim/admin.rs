@@ -95,6 +95,7 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
                 "agent_pid": s.agent.as_ref().map(|a| a.pid),
                 "agent_running": s.agent.as_ref().is_some_and(|a| a.running),
                 "agent_exit": s.agent.as_ref().and_then(|a| a.exit.clone()),
+                "cgroup": s.agent.as_ref().and_then(|a| a.cgroup.as_ref()).map(|c| c.path()),
                 "vm_dir": state.config.state_dir.join("vms").join(&s.id),
             })
         })

@@ -1045,7 +1045,7 @@ async fn delete_server(
     State(state): State<Arc<SimState>>,
     Path(id): Path<String>,
 ) -> Result<Response, NovaFault> {
-    let agent_pid = {
+    let agent = {
         let mut inner = state.lock();
         let s = inner
             .servers
@@ -1056,10 +1056,10 @@ async fn delete_server(
         }
         s.deleting = true;
         s.updated = SystemTime::now();
-        s.agent.as_ref().map(|a| a.pid)
+        s.agent.clone()
     };
-    tracing::info!(server_id = %id, ?agent_pid, "server delete requested");
-    super::vm::schedule_delete(state.clone(), id, agent_pid);
+    tracing::info!(server_id = %id, agent_pid = ?agent.as_ref().map(|a| a.pid), "server delete requested");
+    super::vm::schedule_delete(state.clone(), id, agent);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -5,8 +5,9 @@
 //! codes and JSON shapes as the real services, so the controller's production
 //! OpenStack client runs unchanged against it. A server "boots" by running the
 //! identity file of its `#cloud-config` user data through cloud-init's
-//! `write_files` and starting a local jobagent process; deleting the server
-//! kills that process tree like a power-off.
+//! `write_files` and starting a local jobagent process in a cgroup of its
+//! own; deleting the server kills everything in that cgroup like a
+//! power-off (without cgroup v2: the agent's process tree only).
 //!
 //! Faults a real cloud produces can be injected through the non-OpenStack
 //! admin API under `/_sim` (see [`Faults`]).
@@ -22,6 +23,7 @@
 //! ```
 
 mod admin;
+mod cgroup;
 mod compute;
 mod identity;
 mod image;
@@ -238,8 +240,9 @@ impl SimHandle {
         &self.clouds_yaml
     }
 
-    /// Stop every VM (SIGKILL of each agent's process tree), then stop
-    /// serving and wait for the server task.
+    /// Stop every VM (SIGKILL of everything in its cgroup, or of its
+    /// agent's process tree), then stop serving and wait for the server
+    /// task.
     pub async fn shutdown(mut self) {
         self.state.stop_all_vms();
         self.cancel.cancel();

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 use tokio_util::sync::CancellationToken;
 
 use super::admin::Faults;
+use super::cgroup::{VmCgroup, VmCgroups};
 use super::SimConfig;
 
 /// A Nova flavor.
@@ -77,6 +78,10 @@ pub(crate) struct Agent {
     pub pid: u32,
     pub running: bool,
     pub exit: Option<String>,
+    /// The VM's cgroup, holding the agent and all it started; `None` when
+    /// the VM is not contained (no cgroup v2), then the power-off kills
+    /// the agent's process tree.
+    pub cgroup: Option<VmCgroup>,
 }
 
 /// One server.
@@ -173,6 +178,8 @@ pub(crate) struct SimState {
     pub user_id: String,
     pub project_id: String,
     pub cancel: CancellationToken,
+    /// Where the VMs' cgroups are made; `None` without cgroup v2.
+    pub vm_cgroups: Option<VmCgroups>,
     inner: Mutex<Inner>,
 }
 
@@ -184,6 +191,7 @@ impl SimState {
             user_id: uuid::Uuid::new_v4().simple().to_string(),
             project_id: uuid::Uuid::new_v4().simple().to_string(),
             cancel,
+            vm_cgroups: VmCgroups::detect(),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -198,17 +206,18 @@ impl SimState {
         format!("http://{}", self.addr)
     }
 
-    /// Kill the agent tree of every server (shutdown and drop).
+    /// Power every VM off (shutdown and drop): all processes of its
+    /// cgroup, or its agent's process tree.
     pub fn stop_all_vms(&self) {
-        let pids: Vec<(String, u32)> = self
+        let agents: Vec<(String, Agent)> = self
             .lock()
             .servers
             .values()
-            .filter_map(|s| s.agent.as_ref().map(|a| (s.id.clone(), a.pid)))
+            .filter_map(|s| s.agent.clone().map(|a| (s.id.clone(), a)))
             .collect();
-        for (server_id, pid) in pids {
-            tracing::info!(%server_id, pid, "stopping VM");
-            super::vm::kill_process_tree(pid);
+        for (server_id, agent) in agents {
+            tracing::info!(%server_id, pid = agent.pid, "stopping VM");
+            super::vm::power_off(&agent);
         }
     }
 }

@@ -1,5 +1,6 @@
 //! "VMs": the boot timer, cloud-init's `write_files` for the agent identity,
-//! the agent process, and the power-off that kills its whole process tree.
+//! the agent process in the VM's cgroup, and the power-off that kills
+//! everything in that cgroup (see [`super::cgroup`]).
 
 use std::collections::BTreeSet;
 use std::fs::OpenOptions;
@@ -14,6 +15,7 @@ use base64::Engine;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
+use super::cgroup::{VmCgroup, VmCgroups};
 use super::state::{Agent, Phase, SimState};
 use super::SimConfig;
 
@@ -108,8 +110,14 @@ pub(crate) fn schedule_boot(state: Arc<SimState>, server_id: String) {
             s.user_data.clone()
         };
         tracing::info!(%server_id, "server ACTIVE; booting VM");
-        let child = match boot_vm(&state.config, &server_id, user_data.as_deref()) {
-            Ok(Some(child)) => child,
+        let booted = boot_vm(
+            &state.config,
+            state.vm_cgroups.as_ref(),
+            &server_id,
+            user_data.as_deref(),
+        );
+        let (child, cgroup) = match booted {
+            Ok(Some(booted)) => booted,
             Ok(None) => return,
             Err(error) => {
                 tracing::warn!(%server_id, error = %error_chain(&error), "VM booted without an agent");
@@ -124,15 +132,17 @@ pub(crate) fn schedule_boot(state: Arc<SimState>, server_id: String) {
         let Some(pid) = child.id() else {
             return;
         };
+        let agent = Agent {
+            pid,
+            running: true,
+            exit: None,
+            cgroup,
+        };
         let orphaned = {
             let mut inner = state.lock();
             match inner.servers.get_mut(&server_id) {
                 Some(s) => {
-                    s.agent = Some(Agent {
-                        pid,
-                        running: true,
-                        exit: None,
-                    });
+                    s.agent = Some(agent.clone());
                     s.deleting
                 }
                 None => true,
@@ -141,7 +151,7 @@ pub(crate) fn schedule_boot(state: Arc<SimState>, server_id: String) {
         tracing::info!(%server_id, pid, "agent started");
         if orphaned {
             tracing::info!(%server_id, pid, "server deleted while booting; powering off");
-            kill_process_tree(pid);
+            let _ = tokio::task::spawn_blocking(move || power_off(&agent)).await;
         }
         watch_agent(state, server_id, pid, child);
     });
@@ -174,10 +184,11 @@ fn watch_agent(
 }
 
 /// Power the VM off now and make the server disappear after the delete delay.
-pub(crate) fn schedule_delete(state: Arc<SimState>, server_id: String, agent_pid: Option<u32>) {
+pub(crate) fn schedule_delete(state: Arc<SimState>, server_id: String, agent: Option<Agent>) {
     tokio::spawn(async move {
-        if let Some(pid) = agent_pid {
-            let killed = tokio::task::spawn_blocking(move || kill_process_tree(pid)).await;
+        if let Some(agent) = agent {
+            let pid = agent.pid;
+            let killed = tokio::task::spawn_blocking(move || power_off(&agent)).await;
             tracing::info!(%server_id, pid, killed = ?killed.ok(), "VM powered off");
         }
         tokio::select! {
@@ -280,14 +291,26 @@ fn identity_from_user_data(
     Ok(Some((bytes, mode)))
 }
 
+/// Power-off: SIGKILL everything that runs in the VM, i.e. in its cgroup
+/// (then removed), or without one the agent's process tree. Returns how
+/// many processes it held or were signalled.
+pub(crate) fn power_off(agent: &Agent) -> usize {
+    match &agent.cgroup {
+        Some(cgroup) => cgroup.kill(),
+        None => kill_process_tree(agent.pid),
+    }
+}
+
 /// Emulate the guest's first boot: cloud-init writes the identity file, the
-/// agent unit starts. `Ok(None)` is a VM without an agent (no user data, or
-/// no identity in it): a black hole, as a broken image would be.
+/// agent unit starts in the VM's cgroup (when `cgroups` are available).
+/// `Ok(None)` is a VM without an agent (no user data, or no identity in
+/// it): a black hole, as a broken image would be.
 fn boot_vm(
     config: &SimConfig,
+    cgroups: Option<&VmCgroups>,
     server_id: &str,
     user_data: Option<&str>,
-) -> Result<Option<tokio::process::Child>, VmError> {
+) -> Result<Option<(tokio::process::Child, Option<VmCgroup>)>, VmError> {
     let dir = vm_dir(config, server_id);
     let agent_state = dir.join("state");
     std::fs::create_dir_all(&agent_state).map_err(|source| VmError::Write {
@@ -344,17 +367,53 @@ fn boot_vm(
     if let Some(filter) = std::env::var_os("RUST_LOG") {
         cmd.env("RUST_LOG", filter);
     }
+    let cgroup = cgroups.and_then(|c| contain(config, c, server_id, &mut cmd));
     console_line(
         config,
         server_id,
         &format!("cloudsim: starting {}", config.agent_bin.display()),
     );
-    let child = cmd.spawn().map_err(|source| VmError::Spawn {
-        server_id: server_id.into(),
-        bin: config.agent_bin.clone(),
-        source,
+    let child = cmd.spawn().map_err(|source| {
+        if let Some(cgroup) = &cgroup {
+            cgroup.kill();
+        }
+        VmError::Spawn {
+            server_id: server_id.into(),
+            bin: config.agent_bin.clone(),
+            source,
+        }
     })?;
-    Ok(Some(child))
+    Ok(Some((child, cgroup)))
+}
+
+/// Make the VM's cgroup and have `cmd` start in it; on failure the VM runs
+/// uncontained, with a warning (as when cgroup v2 is missing).
+fn contain(
+    config: &SimConfig,
+    cgroups: &VmCgroups,
+    server_id: &str,
+    cmd: &mut tokio::process::Command,
+) -> Option<VmCgroup> {
+    let joined = cgroups.create(server_id).and_then(|cgroup| {
+        cgroup
+            .join_on_spawn(cmd)
+            .map(|()| cgroup.clone())
+            .inspect_err(|_| {
+                cgroup.kill();
+            })
+    });
+    match joined {
+        Ok(cgroup) => Some(cgroup),
+        Err(error) => {
+            tracing::warn!(server_id, %error, "no cgroup for the VM; a power-off kills the agent's process tree only");
+            console_line(
+                config,
+                server_id,
+                &format!("cloudsim: no cgroup for the VM: {error}"),
+            );
+            None
+        }
+    }
 }
 
 fn write_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), VmError> {
