@@ -91,21 +91,35 @@ pub async fn declare_bound_queue(
             name: queue.into(),
             source,
         })?;
-        ch.queue_bind(
-            queue.into(),
-            exchange.into(),
-            routing_key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|source| AmqpError::Declare {
-            name: format!("binding {exchange} -> {queue} ({routing_key})"),
-            source,
-        })?;
-        Ok(())
+        bind_queue(ch, queue, exchange, routing_key).await
     })
     .await
+}
+
+/// Binds `queue` to `exchange` with `routing_key`, not bounded by itself:
+/// [`declare_bound_queue`] and [`subscribe`](super::subscribe) bound the
+/// whole sequence it is part of.
+///
+/// # Errors
+/// [`AmqpError::Declare`] naming the binding.
+pub(super) async fn bind_queue(
+    ch: &Channel,
+    queue: &str,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), AmqpError> {
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        routing_key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|source| AmqpError::Declare {
+        name: format!("binding {exchange} -> {queue} ({routing_key})"),
+        source,
+    })
 }
 
 /// Declares `agent`'s lease queue `<c>.lease.<agent>` and binds it to
@@ -257,25 +271,8 @@ pub async fn claim_marker(
 ) -> Result<crate::lease::Marker, AmqpError> {
     use crate::lease::Marker;
     let queue = topo.claim_queue(job_id);
-    if !create {
-        let r = bounded("look up claim marker", DECLARE_TIMEOUT, async {
-            Ok(ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await)
-        })
-        .await?;
-        match r {
-            Ok(_) => {}
-            Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => return Ok(Marker::Absent),
-            Err(e) => return Err(AmqpError::op("look up claim marker")(e)),
-        }
+    if !create && !queue_exists(ch, &queue, "look up claim marker").await? {
+        return Ok(Marker::Absent);
     }
     let args = field_table(&topo.claim_queue_args(agent, claim));
     let r = bounded("declare claim marker", DECLARE_TIMEOUT, async {
@@ -295,5 +292,33 @@ pub async fn claim_marker(
         Ok(_) => Ok(Marker::Ours),
         Err(e) if lapin_reply_code(&e) == Some(PRECONDITION_FAILED) => Ok(Marker::Theirs),
         Err(e) => Err(AmqpError::op("declare claim marker")(e)),
+    }
+}
+
+/// Whether queue `queue` exists: a passive declaration, bounded by 15 s.
+/// A missing queue (404 NOT_FOUND) closes `ch`: use a channel that holds
+/// nothing else.
+///
+/// # Errors
+/// [`AmqpError::Op`] naming `what` when the broker refuses otherwise,
+/// [`AmqpError::Timeout`] naming `what`.
+pub async fn queue_exists(ch: &Channel, queue: &str, what: &str) -> Result<bool, AmqpError> {
+    let r = bounded(what, DECLARE_TIMEOUT, async {
+        Ok(ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await)
+    })
+    .await?;
+    match r {
+        Ok(_) => Ok(true),
+        Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => Ok(false),
+        Err(e) => Err(AmqpError::op(what)(e)),
     }
 }

@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
-use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::Channel;
 
+use super::declare::bind_queue;
 use super::{bounded, AmqpError};
 
 /// Bound on the whole of [`subscribe`] (declare, bind, consume).
@@ -55,18 +56,7 @@ pub async fn subscribe(
             })?;
         let name = declared.name().clone();
         for key in keys {
-            ch.queue_bind(
-                name.clone(),
-                exchange.into(),
-                (*key).into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|source| AmqpError::Declare {
-                name: format!("binding {exchange} -> {name} ({key})"),
-                source,
-            })?;
+            bind_queue(ch, name.as_str(), exchange, key).await?;
         }
         ch.basic_consume(
             name.clone(),
