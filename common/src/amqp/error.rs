@@ -147,6 +147,28 @@ impl AmqpError {
     }
 }
 
+/// A TLS file [`crate::tls`] refused when connecting: `ca_file` is
+/// [`AmqpError::CaFile`], the client pair [`AmqpError::ClientCert`].
+impl From<crate::tls::TlsFileError> for AmqpError {
+    fn from(e: crate::tls::TlsFileError) -> Self {
+        match e.key {
+            "ca_file" => AmqpError::CaFile {
+                path: e.path.display().to_string(),
+                problem: e.problem,
+            },
+            key => AmqpError::ClientCert {
+                what: if key == "key_file" {
+                    "key"
+                } else {
+                    "certificate"
+                },
+                path: e.path.display().to_string(),
+                problem: e.problem,
+            },
+        }
+    }
+}
+
 /// AMQP reply code NOT_FOUND (a missing queue or exchange).
 pub const NOT_FOUND: u16 = 404;
 
