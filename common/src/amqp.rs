@@ -7,7 +7,7 @@
 //!   tuning ([`tuned_url`]) and the URL's user ([`broker_user`]);
 //! * declare: the topology ([`declare_topology`], [`declare_exchanges`],
 //!   the pool, lease and agent queues), the claim markers ([`claim_marker`])
-//!   and passive lookups ([`queue_exists`]);
+//!   and passive lookups ([`inspect_queue`], [`queue_exists`]);
 //! * publish: a confirm channel, message properties, [`publish_confirmed`]
 //!   and its alarm-aware form;
 //! * subscribe: [`subscribe`], the exclusive, auto-delete listener queue;
@@ -32,7 +32,8 @@ pub use crate::amqp_url::{broker_user, parse_url, redact_url, DEFAULT_USER};
 pub use connect::{connect, tuned_url, DEFAULT_FRAME_MAX};
 pub use declare::{
     claim_marker, declare_agents_queue, declare_bound_queue, declare_exchange, declare_exchanges,
-    declare_lease_queue, declare_pool_queue, declare_topology, field_table, queue_exists,
+    declare_lease_queue, declare_pool_queue, declare_topology, field_table, inspect_queue,
+    queue_exists,
 };
 pub use error::{lapin_reply_code, AmqpError, ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 pub use headers::{header_str, header_u32, with_header_str, with_header_u32};

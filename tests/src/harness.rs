@@ -15,7 +15,7 @@ use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions, Que
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
 use vq_common::amqp::{
-    confirm_channel, declare_topology, json_properties, publish_confirmed, subscribe,
+    confirm_channel, declare_topology, inspect_queue, json_properties, publish_confirmed, subscribe,
 };
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Job, Message};
@@ -582,16 +582,9 @@ impl TestBroker {
     /// Broker errors.
     pub async fn queue_len(&self, queue: &str) -> anyhow::Result<u32> {
         let ch = self.conn.create_channel().await?;
-        let q = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let q = inspect_queue(&ch, queue, "inspect queue")
+            .await?
+            .with_context(|| format!("queue {queue} does not exist"))?;
         let n = q.message_count();
         let _ = ch.close(200, "done".into()).await;
         Ok(n)

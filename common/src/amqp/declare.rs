@@ -295,14 +295,19 @@ pub async fn claim_marker(
     }
 }
 
-/// Whether queue `queue` exists: a passive declaration, bounded by 15 s.
-/// A missing queue (404 NOT_FOUND) closes `ch`: use a channel that holds
-/// nothing else.
+/// Queue `queue` as the broker has it now (its message and consumer
+/// counts), `None` if it does not exist: a passive declaration, bounded by
+/// 15 s. A missing queue (404 NOT_FOUND) closes `ch`: use a channel that
+/// holds nothing else.
 ///
 /// # Errors
 /// [`AmqpError::Op`] naming `what` when the broker refuses otherwise,
 /// [`AmqpError::Timeout`] naming `what`.
-pub async fn queue_exists(ch: &Channel, queue: &str, what: &str) -> Result<bool, AmqpError> {
+pub async fn inspect_queue(
+    ch: &Channel,
+    queue: &str,
+    what: &str,
+) -> Result<Option<lapin::Queue>, AmqpError> {
     let r = bounded(what, DECLARE_TIMEOUT, async {
         Ok(ch
             .queue_declare(
@@ -317,8 +322,17 @@ pub async fn queue_exists(ch: &Channel, queue: &str, what: &str) -> Result<bool,
     })
     .await?;
     match r {
-        Ok(_) => Ok(true),
-        Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => Ok(false),
+        Ok(q) => Ok(Some(q)),
+        Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => Ok(None),
         Err(e) => Err(AmqpError::op(what)(e)),
     }
+}
+
+/// Whether queue `queue` exists ([`inspect_queue`]; a missing queue
+/// closes `ch`).
+///
+/// # Errors
+/// As [`inspect_queue`].
+pub async fn queue_exists(ch: &Channel, queue: &str, what: &str) -> Result<bool, AmqpError> {
+    Ok(inspect_queue(ch, queue, what).await?.is_some())
 }
