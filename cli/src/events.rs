@@ -10,13 +10,13 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{JobEvent, JobState, Message, Outcome};
 use vq_common::topology::{job_event_key, Topology};
 
-use crate::error::{lapin_reply_code, CliError, NOT_FOUND};
+use crate::error::CliError;
 
 /// Prefetch of the stream consumer (messages).
 pub const STREAM_PREFETCH: u16 = 1000;
@@ -48,23 +48,15 @@ pub async fn read_job_events(
     };
     // Passive declare on its own channel: NOT_FOUND closes that channel.
     let probe = conn.create_channel().await.map_err(op("channel.open"))?;
-    let declared = probe
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    match declared {
-        Err(e) if lapin_reply_code(&e) == Some(NOT_FOUND) => return Ok(None),
-        Err(e) => return Err(op("queue.declare passive")(e)),
-        Ok(_) => {
-            let _ = probe.close(200, "ok".into()).await;
-        }
+    let exists = amqp::queue_exists(&probe, &queue, "queue.declare passive")
+        .await
+        .map_err(CliError::broker(format!(
+            "read the job-event stream {queue}"
+        )))?;
+    if !exists {
+        return Ok(None);
     }
+    let _ = probe.close(200, "ok".into()).await;
 
     let ch = conn.create_channel().await.map_err(op("channel.open"))?;
     ch.basic_qos(STREAM_PREFETCH, BasicQosOptions::default())

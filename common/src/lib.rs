@@ -10,12 +10,14 @@
 //! * [`backoff`]: the one capped, jittered backoff;
 //! * [`error`]: [`ConfigError`] and [`error::chain`], the one renderer of
 //!   an error's cause chain;
+//! * [`tls`]: every rule and check of a broker connection's TLS files (with
+//!   feature `amqp` parsed with rustls, and the connection's TLS built);
 //! * `amqp` (feature `amqp`): connect, declare, publish with a confirm,
 //!   subscribe; `amqp::envelope`: lease-copy and dead-letter properties,
 //!   the job id of a delivery.
 //!
 //! Everything but `amqp` is pure: no I/O beyond reading a named config file
-//! (and the random jitter of a backoff).
+//! and the TLS files it names (and the random jitter of a backoff).
 
 #![forbid(unsafe_code)]
 
@@ -26,11 +28,10 @@ pub mod error;
 pub mod lease;
 pub mod messages;
 pub mod pbs;
+pub mod tls;
 pub mod topology;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
-#[cfg(feature = "amqp")]
-pub mod tls;
 
 pub use error::ConfigError;

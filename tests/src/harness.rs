@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
-use vq_common::amqp::{confirm_channel, declare_topology, json_properties, publish_confirmed};
+use vq_common::amqp::{
+    confirm_channel, declare_topology, inspect_queue, json_properties, publish_confirmed, subscribe,
+};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Job, Message};
 use vq_common::topology::{Role, Topology, ALL_AGENT_EVENTS, ALL_JOB_EVENTS};
@@ -539,44 +539,21 @@ impl TestBroker {
     }
 
     /// Binds an exclusive queue to the events exchange for `job.#` and
-    /// `agent.#`. Call it before publishing what you want to observe.
+    /// `agent.#` ([`subscribe`]: server-named, auto-delete, no acks). Call it
+    /// before publishing what you want to observe.
     ///
     /// # Errors
     /// Broker errors.
     pub async fn tap_events(&self) -> anyhow::Result<EventTap> {
         let ch = self.conn.create_channel().await?;
-        let q = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        for key in [ALL_JOB_EVENTS, ALL_AGENT_EVENTS] {
-            ch.queue_bind(
-                q.name().clone(),
-                self.topo.events_exchange().as_str().into(),
-                key.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        }
-        let consumer = ch
-            .basic_consume(
-                q.name().clone(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let consumer = subscribe(
+            &ch,
+            "",
+            &self.topo.events_exchange(),
+            &[ALL_JOB_EVENTS, ALL_AGENT_EVENTS],
+            "",
+        )
+        .await?;
         Ok(EventTap {
             _ch: ch,
             consumer,
@@ -605,16 +582,9 @@ impl TestBroker {
     /// Broker errors.
     pub async fn queue_len(&self, queue: &str) -> anyhow::Result<u32> {
         let ch = self.conn.create_channel().await?;
-        let q = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let q = inspect_queue(&ch, queue, "inspect queue")
+            .await?
+            .with_context(|| format!("queue {queue} does not exist"))?;
         let n = q.message_count();
         let _ = ch.close(200, "done".into()).await;
         Ok(n)

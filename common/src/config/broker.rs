@@ -1,12 +1,13 @@
 //! The broker connection both daemons share: URL, timeouts and the TLS
-//! files, with their pairing rules and file checks.
+//! files (whose rules and checks are [`crate::tls`]'s).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::redact_url;
+use crate::tls::TlsFiles;
 
 /// Connection to RabbitMQ.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -77,147 +78,18 @@ impl BrokerConfig {
         if self.confirm_timeout_secs == 0 {
             out.push(format!("{prefix}.confirm_timeout_secs: must be at least 1"));
         }
-        let mut ca_ok = false;
-        if let Some(ca) = &self.ca_file {
-            if ca.as_os_str().is_empty() {
-                out.push(format!(
-                    "{prefix}.ca_file: is empty (remove the key to use the system roots)"
-                ));
-            } else if !ca.is_file() {
-                out.push(format!(
-                    "{prefix}.ca_file: {} does not exist or is not a file",
-                    ca.display()
-                ));
-            } else {
-                match std::fs::read(ca) {
-                    Err(e) => out.push(format!(
-                        "{prefix}.ca_file: cannot read {}: {e}",
-                        ca.display()
-                    )),
-                    Ok(text) if !contains(&text, b"-----BEGIN CERTIFICATE-----") => {
-                        out.push(format!(
-                            "{prefix}.ca_file: {} holds no PEM certificate \
-                             (-----BEGIN CERTIFICATE-----)",
-                            ca.display()
-                        ))
-                    }
-                    Ok(_) => ca_ok = true,
-                }
-            }
-            if !self.url.starts_with("amqps://") {
-                out.push(format!(
-                    "{prefix}.ca_file: only used with an amqps:// url, not {:?} \
-                     (use amqps:// or remove ca_file)",
-                    redact_url(&self.url)
-                ));
-            }
-        }
-        let pair_ok = self.client_cert_problems(prefix, out);
-        #[cfg(feature = "amqp")]
-        crate::tls::material_problems(self, prefix, ca_ok, pair_ok, out);
-        #[cfg(not(feature = "amqp"))]
-        let _ = (ca_ok, pair_ok);
+        crate::tls::file_problems(self.tls_files(), prefix, out);
     }
 
-    /// Problems of `cert_file`/`key_file`: both or neither, amqps only, and
-    /// both readable PEM files, the key unencrypted and mode 0600. Returns
-    /// whether both files passed these checks, so that (feature `amqp`)
-    /// [`crate::tls::material_problems`] parses them and checks that they
-    /// belong together, as [`crate::amqp::connect`] does.
-    fn client_cert_problems(&self, prefix: &str, out: &mut Vec<String>) -> bool {
-        match (&self.cert_file, &self.key_file) {
-            (None, None) => return false,
-            (Some(_), None) => out.push(format!(
-                "{prefix}.key_file: missing (cert_file is set; set both or neither)"
-            )),
-            (None, Some(_)) => out.push(format!(
-                "{prefix}.cert_file: missing (key_file is set; set both or neither)"
-            )),
-            (Some(_), Some(_)) => {}
+    /// The TLS settings of this connection, for [`crate::tls`].
+    pub fn tls_files(&self) -> TlsFiles<'_> {
+        TlsFiles {
+            url: &self.url,
+            ca_file: self.ca_file.as_deref(),
+            cert_file: self.cert_file.as_deref(),
+            key_file: self.key_file.as_deref(),
         }
-        if !self.url.starts_with("amqps://") {
-            out.push(format!(
-                "{prefix}.cert_file/key_file: client certificates need an amqps:// url, not {:?}",
-                redact_url(&self.url)
-            ));
-        }
-        let mut empty = false;
-        for (key, path) in [("cert_file", &self.cert_file), ("key_file", &self.key_file)] {
-            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
-                out.push(format!("{prefix}.{key}: is empty"));
-                empty = true;
-            }
-        }
-        if empty {
-            return false;
-        }
-        let both = self.cert_file.is_some() && self.key_file.is_some();
-        let before = out.len();
-        if let Some(cert) = &self.cert_file {
-            match std::fs::read(cert) {
-                Err(e) => out.push(format!(
-                    "{prefix}.cert_file: cannot read {}: {e}",
-                    cert.display()
-                )),
-                Ok(text) if !contains(&text, b"-----BEGIN CERTIFICATE-----") => out.push(format!(
-                    "{prefix}.cert_file: {} holds no PEM certificate \
-                         (-----BEGIN CERTIFICATE-----)",
-                    cert.display()
-                )),
-                Ok(_) => {}
-            }
-        }
-        if let Some(key) = &self.key_file {
-            match std::fs::read(key) {
-                Err(e) => out.push(format!(
-                    "{prefix}.key_file: cannot read {}: {e}",
-                    key.display()
-                )),
-                Ok(text)
-                    if contains(&text, b"ENCRYPTED PRIVATE KEY")
-                        || contains(&text, b"Proc-Type: 4,ENCRYPTED") =>
-                {
-                    out.push(format!(
-                        "{prefix}.key_file: {} is encrypted; give an unencrypted PEM key \
-                         (e.g. `openssl pkey -in old.key -out new.key`) protected by mode 0600",
-                        key.display()
-                    ))
-                }
-                Ok(text) if !contains(&text, b"PRIVATE KEY-----") => out.push(format!(
-                    "{prefix}.key_file: {} holds no PEM private key (-----BEGIN PRIVATE KEY-----)",
-                    key.display()
-                )),
-                Ok(_) => {
-                    if let Some(mode) = loose_mode(key) {
-                        out.push(format!(
-                            "{prefix}.key_file: {} has mode {mode:04o}, readable or writable by \
-                             group or others; make it 0600 (chmod 600) and owned by the user the \
-                             daemon runs as (root for the jobagent)",
-                            key.display()
-                        ));
-                    }
-                }
-            }
-        }
-        both && out.len() == before
     }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
-}
-
-/// The permission bits of `path` if any group or other bit is set.
-#[cfg(unix)]
-fn loose_mode(path: &Path) -> Option<u32> {
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
-    (mode & 0o077 != 0).then_some(mode)
-}
-
-#[cfg(not(unix))]
-fn loose_mode(_path: &Path) -> Option<u32> {
-    None
 }
 
 #[cfg(test)]
