@@ -29,6 +29,10 @@ pub(crate) struct Ctx {
     /// Set when an outcome is unknown: the session ends (so the broker
     /// returns its unacked deliveries) and the next one resolves it.
     pub(crate) restart_session: std::sync::atomic::AtomicBool,
+    /// Set when the broker refused an operation whose failure ended the
+    /// session (a missing permission, inequivalent arguments): refusals
+    /// repeat, so the next session waits with a growing backoff.
+    pub(crate) session_refused: std::sync::atomic::AtomicBool,
     pub(crate) outbox: report::Outbox,
     pub(crate) sys: sys::HostSys,
     /// Whether this process has put its id into the agent registry

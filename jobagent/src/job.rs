@@ -206,12 +206,20 @@ pub(crate) async fn handle_delivery(
 
 /// Ends the current broker session because an outcome is unknown: the
 /// broker then returns every unacked delivery of it to its queue, and the
-/// next session resolves what is pending before it pulls.
-fn end_session(ctx: &Ctx, why: &str) {
+/// next session resolves what is pending before it pulls. An `error` that
+/// is a broker refusal (not [`AmqpError::is_transient`]) makes the next
+/// session wait with a growing backoff: a refusal repeats, and each
+/// session that fails a claim returns a delivery to the pool, spending the
+/// pool queue's delivery limit.
+fn end_session(ctx: &Ctx, why: &str, error: &AmqpError) {
     warn!(
         why,
         "ending the broker session: an outcome is unknown and is resolved on the next session"
     );
+    if !error.is_transient() {
+        ctx.session_refused
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     ctx.restart_session
         .store(true, std::sync::atomic::Ordering::SeqCst);
     ctx.shared.pull_changed.notify_one();
@@ -268,7 +276,7 @@ async fn claim_and_run(
             // discarded by the next lease scan; the delivery goes back to
             // the pool when this session ends.
             warn!(error = %chain(&e), "lease copy not confirmed: abandoning the claim");
-            end_session(ctx, "lease copy not confirmed");
+            end_session(ctx, "lease copy not confirmed", &e);
         }
         ctx.shared.release(&key);
         return;
@@ -281,7 +289,7 @@ async fn claim_and_run(
             Ok(m) => break m,
             Err(e) => {
                 warn!(error = %chain(&e), "claim marker not confirmed: declaring it again on the next session");
-                end_session(ctx, "claim marker not confirmed");
+                end_session(ctx, "claim marker not confirmed", &e);
                 same_session = false;
                 if next_session(ctx, generation).await.is_none() {
                     // Stopping: the marker (if made) names this agent; the
@@ -536,8 +544,8 @@ async fn publish_stored(ctx: &Ctx, st: &crate::report::Stored) -> Result<(), Amq
 /// Recovers one leftover lease of a previous agent process on this VM (its
 /// marker is ours): a stored result is republished; otherwise the job's
 /// fate ([`vq_common::lease::fate`] with the configured `loss_limit`) is to
-/// fail ("node lost", dead-lettered, marker kept) or to run again here
-/// under the same claim.
+/// fail ("node lost", dead-lettered, marker kept: [`fail_leftover`]) or to
+/// run again here under the same claim ([`rerun_leftover`]).
 async fn recover_one(
     ctx: &Arc<Ctx>,
     d: &Delivery,
@@ -545,124 +553,145 @@ async fn recover_one(
     claim: &str,
 ) -> Result<(), AmqpError> {
     let span = tracing::info_span!("recover", pool = %ctx.cfg.pool, job_id = %key);
-    let _e = span.enter();
-    if let Some(st) = ctx.outbox.load(key) {
-        if !st.sent {
-            info!("republishing the stored result of a job that ended before the agent restarted");
-            publish_stored(ctx, &st).await?;
+    async move {
+        if let Some(st) = ctx.outbox.load(key) {
+            if !st.sent {
+                info!(
+                    "republishing the stored result of a job that ended before the agent restarted"
+                );
+                publish_stored(ctx, &st).await?;
+            }
+            ack_lease(d).await?;
+            ctx.outbox.remove(key);
+            return Ok(());
         }
-        ack_lease(d).await?;
-        ctx.outbox.remove(key);
-        return Ok(());
+        let decoded = Job::decode(&d.data);
+        let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
+        match fate(
+            decoded.as_ref().ok(),
+            &ctx.agent,
+            losses,
+            ctx.cfg.loss_limit,
+        ) {
+            LeaseFate::Fail { reason } => {
+                fail_leftover(ctx, d, key, decoded.ok().as_ref(), losses, reason).await
+            }
+            LeaseFate::Requeue { .. } => match decoded {
+                Ok(job) => rerun_leftover(ctx, d, key, claim, job, losses).await,
+                // fate() fails an undecodable job; nothing to run.
+                Err(_) => Ok(()),
+            },
+        }
     }
-    let pool = ctx.cfg.pool.clone();
-    let decoded = Job::decode(&d.data);
-    let losses = header_u32(&d.properties, LOSSES_HEADER).saturating_add(1);
+    .instrument(span)
+    .await
+}
+
+/// A leftover lease whose job ends here: dead-lettered with `reason`, one
+/// `failed` event (attempt `losses`), then the lease copy is acked.
+async fn fail_leftover(
+    ctx: &Ctx,
+    d: &Delivery,
+    key: &str,
+    job: Option<&Job>,
+    losses: u32,
+    reason: String,
+) -> Result<(), AmqpError> {
+    warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
+    let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
+    dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
     let submitter = header_str(&d.properties, SUBMITTER_HEADER);
-    match fate(
-        decoded.as_ref().ok(),
+    let mut event = JobEvent::about(
+        job,
+        key,
+        &ctx.cfg.pool,
         &ctx.agent,
+        submitter.as_deref(),
+        JobState::Failed { reason },
+    );
+    event.attempt = losses;
+    let rk = job_event_key(&ctx.cfg.pool, "failed");
+    ctx.publisher
+        .publish_once(
+            &ctx.topo.events_exchange(),
+            &rk,
+            &event.encode(),
+            event_properties(&event),
+        )
+        .await?;
+    ack_lease(d).await
+}
+
+/// A leftover lease of a rerunnable job within the loss limit: a fresh
+/// lease copy of the same claim with the loss counter `losses` replaces it
+/// (the marker stays ours), and the job runs again here on its own task.
+async fn rerun_leftover(
+    ctx: &Arc<Ctx>,
+    d: &Delivery,
+    key: &str,
+    claim: &str,
+    job: Job,
+    losses: u32,
+) -> Result<(), AmqpError> {
+    let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
+    ctx.publisher
+        .publish_once_mandatory(
+            &ctx.topo.lease_exchange(),
+            ctx.leases.queue(),
+            &d.data,
+            props.clone(),
+            true,
+        )
+        .await?;
+    ack_lease(d).await?;
+    let owned = Owned {
         losses,
-        ctx.cfg.loss_limit,
-    ) {
-        LeaseFate::Fail { reason } => {
-            warn!(reason = %reason, "leftover lease: job ends failed and is dead-lettered");
-            let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-            dead_letter_now_props(ctx, &d.data, &props, &reason).await?;
-            let mut event = JobEvent::about(
-                decoded.as_ref().ok(),
-                key,
-                &pool,
-                &ctx.agent,
-                submitter.as_deref(),
-                JobState::Failed { reason },
-            );
-            event.attempt = losses;
-            let rk = job_event_key(&pool, "failed");
-            ctx.publisher
-                .publish_once(
-                    &ctx.topo.events_exchange(),
-                    &rk,
-                    &event.encode(),
-                    event_properties(&event),
-                )
-                .await?;
-            ack_lease(d).await?;
-            Ok(())
-        }
-        LeaseFate::Requeue { .. } => {
-            let Ok(job) = decoded else {
-                return Ok(());
-            };
-            // Run it again here, with the counter incremented in a fresh
-            // lease copy of the same claim (the marker stays ours).
-            let props = with_header_u32(d.properties.clone(), LOSSES_HEADER, losses);
-            ctx.publisher
-                .publish_once_mandatory(
-                    &ctx.topo.lease_exchange(),
-                    ctx.leases.queue(),
-                    &d.data,
-                    props.clone(),
-                    true,
-                )
-                .await?;
-            ack_lease(d).await?;
-            let owned = Owned {
-                losses,
-                ack_confirmed: false,
-            };
-            let Some(cancel) = ctx.shared.claim_recovered(key, claim, owned) else {
-                return Ok(());
-            };
-            info!(
-                losses,
-                "leftover lease of a rerunnable job: running it again"
-            );
-            let ctx2 = ctx.clone();
-            let ticket = Ticket {
-                key: key.to_string(),
-                job,
-                body: d.data.clone(),
-                props,
-                submitter,
-                cancel,
-                claim: claim.to_string(),
-                losses,
-            };
-            tokio::spawn(
-                async move {
-                    match plan_job_async(
-                        &ticket.job,
-                        ticket.submitter.as_deref(),
-                        &ctx2.cfg,
-                        &ctx2.sys,
-                    )
-                    .await
-                    {
-                        Ok(plan) => {
-                            ctx2.shared.set_cancellers(&ticket.key, ticket.cancellers());
-                            run_and_release(&ctx2, ticket, plan).await
-                        }
-                        Err(rej) => {
-                            refuse(
-                                &ctx2,
-                                (&ticket.body, &ticket.props),
-                                Some(&ticket.job),
-                                &ticket.key,
-                                &rej,
-                            )
-                            .await;
-                            let owned = ctx2.shared.owned(&ticket.key);
-                            release_lease(&ctx2, &ticket.key, &ticket.claim, owned.as_ref()).await;
-                            ctx2.shared.release(&ticket.key);
-                        }
-                    }
+        ack_confirmed: false,
+    };
+    let Some(cancel) = ctx.shared.claim_recovered(key, claim, owned) else {
+        return Ok(());
+    };
+    info!(
+        losses,
+        "leftover lease of a rerunnable job: running it again"
+    );
+    let ticket = Ticket {
+        key: key.to_string(),
+        job,
+        body: d.data.clone(),
+        submitter: header_str(&d.properties, SUBMITTER_HEADER),
+        props,
+        cancel,
+        claim: claim.to_string(),
+        losses,
+    };
+    let ctx = ctx.clone();
+    tokio::spawn(
+        async move {
+            match plan_job_async(&ticket.job, ticket.submitter.as_deref(), &ctx.cfg, &ctx.sys).await
+            {
+                Ok(plan) => {
+                    ctx.shared.set_cancellers(&ticket.key, ticket.cancellers());
+                    run_and_release(&ctx, ticket, plan).await
                 }
-                .instrument(span.clone()),
-            );
-            Ok(())
+                Err(rej) => {
+                    refuse(
+                        &ctx,
+                        (&ticket.body, &ticket.props),
+                        Some(&ticket.job),
+                        &ticket.key,
+                        &rej,
+                    )
+                    .await;
+                    let owned = ctx.shared.owned(&ticket.key);
+                    release_lease(&ctx, &ticket.key, &ticket.claim, owned.as_ref()).await;
+                    ctx.shared.release(&ticket.key);
+                }
+            }
         }
-    }
+        .in_current_span(),
+    );
+    Ok(())
 }
 
 /// Dead-letters one of this agent's lease copies (properties `props`),

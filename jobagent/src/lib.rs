@@ -28,9 +28,9 @@ mod claim;
 mod ctx;
 pub mod error;
 mod heartbeat;
-pub mod identity;
 mod job;
 mod lease;
+pub mod nss;
 pub mod output;
 pub mod plan;
 pub mod report;
@@ -120,6 +120,7 @@ pub async fn run(
         markers: claim::Markers::new(topo.clone(), cfg.agent_id.clone(), conn_rx),
         session: watch::channel(0).0,
         restart_session: std::sync::atomic::AtomicBool::new(false),
+        session_refused: std::sync::atomic::AtomicBool::new(false),
         outbox,
         topo,
         agent: cfg.agent_id.clone(),

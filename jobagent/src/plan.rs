@@ -300,7 +300,7 @@ pub fn plan_job(
 }
 
 /// [`plan_job`] on a blocking thread, so that owner and group lookups
-/// (`getent`, each bounded by [`crate::identity::GETENT_TIMEOUT`]; a slow
+/// (`getent`, each bounded by [`crate::nss::GETENT_TIMEOUT`]; a slow
 /// LDAP/SSSD answers in seconds) never stall the async runtime: heartbeats
 /// and control keep running while a job is planned. Clones `job`, `cfg`
 /// and `sys` for the thread.
@@ -776,10 +776,10 @@ mod tests {
         ));
     }
 
-    /// Users through a real [`crate::identity::Nss`] (a fake getent), the
+    /// Users through a real [`crate::nss::Nss`] (a fake getent), the
     /// rest empty.
     #[derive(Clone)]
-    struct NssSys(crate::identity::Nss);
+    struct NssSys(crate::nss::Nss);
 
     impl Sys for NssSys {
         fn user_by_name(&self, name: &str) -> Result<Option<crate::sys::UserEntry>, NssError> {
@@ -802,7 +802,7 @@ mod tests {
         std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
         let timeout = Duration::from_millis(500);
-        let sys = NssSys(crate::identity::Nss::new(Some(fake), timeout));
+        let sys = NssSys(crate::nss::Nss::new(Some(fake), timeout));
         // Another task on this single-threaded runtime: it ticks every 20 ms
         // and records when.
         let ticks = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));

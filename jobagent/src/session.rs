@@ -89,17 +89,31 @@ impl Links {
 }
 
 /// Keeps a broker session up until `stop`, announcing it on `links`.
+///
+/// Between sessions it waits [`RECONNECT`]'s delay. The delay starts over
+/// only after a *proven* session (one whose first heartbeat the broker
+/// confirmed, see [`run_session`]) that did not end by a broker refusal;
+/// a session that could not publish, or that a refusal ended (a missing
+/// permission, inequivalent arguments), makes the next wait longer, so a
+/// permanent fault costs one attempt per backoff step, not two a second.
 pub(crate) async fn connection_loop(ctx: Arc<Ctx>, links: Links, stop: CancellationToken) {
+    use std::sync::atomic::Ordering;
     let mut backoff = RECONNECT;
     loop {
         if stop.is_cancelled() {
             break;
         }
-        match session(&ctx, &links, &stop, &mut backoff).await {
+        let mut proven = false;
+        ctx.session_refused.store(false, Ordering::SeqCst);
+        let refused = match session(&ctx, &links, &stop, &mut proven).await {
             Ok(()) => break,
             Err(e) => {
-                warn!(pool = %ctx.cfg.pool, error = %chain(&e), "broker session ended; reconnecting")
+                warn!(pool = %ctx.cfg.pool, error = %chain(&e), "broker session ended; reconnecting");
+                matches!(&e, AgentError::Amqp(a) if !a.is_transient())
             }
+        };
+        if proven && !refused && !ctx.session_refused.swap(false, Ordering::SeqCst) {
+            backoff.reset();
         }
         links.disconnected();
         let delay = backoff.next_delay();
@@ -115,7 +129,7 @@ async fn session(
     ctx: &Arc<Ctx>,
     links: &Links,
     stop: &CancellationToken,
-    backoff: &mut Backoff,
+    proven: &mut bool,
 ) -> Result<(), AgentError> {
     let name = format!("jobagent {}", ctx.agent);
     let conns = tokio::select! {
@@ -133,7 +147,7 @@ async fn session(
     };
     let (conn, pub_conn) = conns;
     let conn = Arc::new(conn);
-    let result = run_session(ctx, &conn, &pub_conn, links, stop, backoff).await;
+    let result = run_session(ctx, &conn, &pub_conn, links, stop, proven).await;
     links.disconnected();
     // A blocked publishing connection does not read our close: bounded.
     for c in [&conn, &pub_conn] {
@@ -152,7 +166,7 @@ async fn run_session(
     pub_conn: &Connection,
     links: &Links,
     stop: &CancellationToken,
-    backoff: &mut Backoff,
+    proven: &mut bool,
 ) -> Result<(), AgentError> {
     let topo = &ctx.topo;
     let pool = &ctx.cfg.pool;
@@ -229,9 +243,14 @@ async fn run_session(
         _ = ctx.shared.wait_settled() => {}
         _ = stop.cancelled() => return Ok(()),
     }
-    backoff.reset();
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
-    ctx.shared.heartbeat_now.notify_one();
+    // The session pulls only after the broker confirmed its first
+    // heartbeat: a claim needs the events exchange (`started`, results),
+    // and a job delivered to a session that cannot publish there would go
+    // back to the pool, spending its delivery limit, on every attempt.
+    // Concurrent with the loop, so that control messages are answered
+    // while the broker blocks publishing (resource alarm).
+    let mut probe = Some(Box::pin(first_heartbeat(ctx)));
 
     let mut consumer: Option<Consumer> = None;
     let mut tick = tokio::time::interval(TICK);
@@ -267,7 +286,7 @@ async fn run_session(
                 what: "publishing connection",
             });
         }
-        if consumer.is_none() && ctx.shared.wants_pull() && !blocked {
+        if consumer.is_none() && *proven && ctx.shared.wants_pull() && !blocked {
             let free = ctx.shared.free_slots();
             if free > 0 {
                 consumer = Some(start_consumer(ctx, &jobs_ch, free).await?);
@@ -281,6 +300,12 @@ async fn run_session(
         tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
+            r = async { probe.as_mut().expect("guarded by the condition").await }, if probe.is_some() => {
+                probe = None;
+                r?;
+                *proven = true;
+                debug!("first heartbeat of the session confirmed");
+            }
             d = next_delivery(&mut consumer) => match d {
                 Some(Ok(delivery)) => {
                     let task = dispatch(ctx, delivery, &jobs_ch).await;
@@ -338,6 +363,25 @@ async fn run_session(
             }
         }
     }
+}
+
+/// Publishes the session's first heartbeat and waits for its confirm
+/// (bounded by the publisher's timeout of unblocked time).
+///
+/// # Errors
+/// [`AgentError::Amqp`]: e.g. 403 ACCESS_REFUSED when the account lacks
+/// write on `<c>.events` (the broker's text names the exchange and user).
+async fn first_heartbeat(ctx: &Ctx) -> Result<(), AgentError> {
+    let hb = crate::heartbeat::heartbeat(ctx);
+    ctx.publisher
+        .publish_once(
+            &ctx.topo.events_exchange(),
+            &agent_event_key(&ctx.cfg.pool, "heartbeat"),
+            &hb.encode(),
+            vq_common::amqp::json_properties::<vq_common::messages::Heartbeat>(),
+        )
+        .await?;
+    Ok(())
 }
 
 /// Puts this agent's id and pool into the agent registry before it can

@@ -11,7 +11,7 @@
 //!
 //! Static musl builds read only `/etc/passwd`, `/etc/group` and nscd, so
 //! [`HostSys`] resolves users and groups through the host's `getent`
-//! ([`crate::identity`]) to see SSSD, LDAP or extrausers users too.
+//! ([`crate::nss`]) to see SSSD, LDAP or extrausers users too.
 
 #[cfg(test)]
 use std::collections::BTreeMap;
@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use crate::error::NssError;
-use crate::identity::Nss;
-pub use crate::identity::{GroupEntry, UserEntry};
+use crate::nss::Nss;
+pub use crate::nss::{GroupEntry, UserEntry};
 
 /// Host facts that job planning needs.
 pub trait Sys: Send + Sync {

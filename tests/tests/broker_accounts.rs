@@ -179,3 +179,155 @@ async fn an_inspector_takes_dead_letters_and_reads_nothing_else() -> anyhow::Res
     broker.cleanup().await;
     Ok(())
 }
+
+/// Lines of `path` containing `needle` (0 while the file does not exist).
+fn log_count(path: &std::path::Path, needle: &str) -> usize {
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().filter(|l| l.contains(needle)).count())
+        .unwrap_or(0)
+}
+
+/// An agent whose account cannot publish events (a site's permission
+/// mistake) never takes a job it could not report: each session fails at
+/// its first confirmed heartbeat, before it consumes, and sessions that
+/// end quickly back off. The job stays in its pool, never delivered, and
+/// runs once when the permission is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> anyhow::Result<()> {
+    use lapin::options::{BasicGetOptions, BasicRejectOptions};
+    use vq_tests::harness::{ensure_test_user, job, AgentLaunch};
+    if !require_root() {
+        return Ok(());
+    }
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let pool = "noev";
+    // The agent's documented permissions, minus write on <c>.events.
+    let mut lacking = Permissions::for_role(Role::Agent, &cluster);
+    lacking.write = format!(r"^{cluster}\.(dead|lease|agents|(jobs|lease|control)\.[^.]+)$");
+    let agent_acct = accounts::account(Role::Agent, "vqt-noev-agent");
+    accounts::create_with(&[(agent_acct.clone(), lacking)], accounts::import_shared)?;
+    let url = shared_broker()?.url_of(&agent_acct);
+
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let j = job(pool, &alice.name, "noev", "echo ran-once\n");
+    broker.publish_job(&j).await?;
+
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("agent.log");
+    let agent_id = format!("{cluster}-a1");
+    let launch = AgentLaunch {
+        url: &url,
+        cluster: &cluster,
+        pool,
+        agent_id: &agent_id,
+        extra_toml: "",
+        broker_toml: "",
+        dir: dir.path(),
+        stderr: Some(&log),
+        args: &[],
+        env: &[],
+    };
+    let guard = launch.spawn()?;
+    // Five sessions, each refused at its first heartbeat.
+    let ended = "broker session ended";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while log_count(&log, ended) < 5 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the agent did not end 5 sessions in 90 s; log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(guard);
+    let text = std::fs::read_to_string(&log)?;
+    // In the agent's own words, not only lapin's.
+    ensure!(
+        text.lines().any(|l| l.contains("vq_jobagent")
+            && l.contains("ACCESS_REFUSED")
+            && l.contains(&format!("{cluster}.events"))),
+        "the agent's log must name the refused exchange:\n{text}"
+    );
+    // Backed off: the waits between sessions grew (each in [c/2, c] for
+    // c = 0.5 s, 1 s, 2 s, 4 s), so 5 sessions took at least 3.75 s; at a
+    // constant 0.5 s they take at most 2 s plus the sessions themselves.
+    let starts: Vec<_> = text
+        .lines()
+        .filter(|l| l.contains(ended))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter_map(|t| chrono_like_secs(t))
+        .collect();
+    ensure!(
+        starts.len() >= 5 && starts[4] - starts[0] >= 3.75,
+        "sessions that end at once must back off; session ends at {starts:?}:\n{text}"
+    );
+
+    // Never delivered: the job is in its pool without a delivery count,
+    // and nothing was dead-lettered or started.
+    let ch = broker.conn.create_channel().await?;
+    let got = ch
+        .basic_get(
+            broker.topo.pool_queue(pool).as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the job left its pool queue:\n{text}"))?;
+    let count = got
+        .delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-delivery-count").cloned())
+        .and_then(|v| match v {
+            lapin::types::AMQPValue::LongLongInt(n) => Some(n),
+            lapin::types::AMQPValue::LongInt(n) => Some(i64::from(n)),
+            _ => None,
+        });
+    // Quorum queues count earlier deliveries: 0 (or none) on the first.
+    ensure!(
+        count.unwrap_or(0) == 0,
+        "the job was delivered to an agent that could not report it (x-delivery-count {count:?}):\n{text}"
+    );
+    got.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: true })
+        .await?;
+    let _ = ch.close(200, "done".into()).await;
+    ensure!(
+        broker.take_dead().await?.is_empty(),
+        "dead letters:\n{text}"
+    );
+    ensure!(
+        tap.events(&j.id, "started").is_empty(),
+        "the job started without events"
+    );
+
+    // Granted the documented permissions, the agent runs the job once.
+    accounts::create(
+        &[agent_acct],
+        Clusters::Named(&cluster),
+        accounts::import_shared,
+    )?;
+    let _guard = launch.spawn()?;
+    tap.wait_for(Duration::from_secs(60), "the job's result", |k, v| {
+        k.ends_with(".finished") && v["job_id"] == j.id.as_str()
+    })
+    .await?;
+    ensure!(tap.events(&j.id, "started").len() == 1, "started once");
+    broker.cleanup().await;
+    Ok(())
+}
+
+/// Seconds since midnight of a tracing timestamp such as
+/// `2026-12-02T05:41:20.123456Z` (`None` if it is not one).
+fn chrono_like_secs(t: &str) -> Option<f64> {
+    let time = t.split_once('T')?.1.trim_end_matches('Z');
+    let mut parts = time.split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
+}
