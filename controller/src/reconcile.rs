@@ -28,8 +28,31 @@ use crate::plan::{plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
 use crate::status::{self, PoolStatus, StatusReport};
 
-/// How long a cycle may go on after a shutdown request, seconds.
+/// The shutdown deadline: how long after the first shutdown request the
+/// controller may take to stop (finish the cycle in flight, acting no
+/// more, close the broker connection and the status endpoint); whatever
+/// is still running then is aborted. Below the unit's `TimeoutStopSec`.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Runs `work` to its end, or until `grace` has passed since `shutdown`
+/// was cancelled, whichever comes first: the controller's one shutdown
+/// deadline, counted from the request, not from when `work` started.
+/// `None`: the deadline cut `work` short (it is dropped, which aborts its
+/// in-flight calls).
+pub async fn until_shutdown_deadline<F: std::future::Future>(
+    work: F,
+    shutdown: &CancellationToken,
+    grace: Duration,
+) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        out = work => Some(out),
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(grace).await;
+        } => None,
+    }
+}
 
 pub use crate::broker::BrokerApi;
 
@@ -354,17 +377,31 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
 }
 
 /// Options of [`run`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct RunOptions {
     /// Run one cycle, then return.
     pub once: bool,
+    /// The shutdown deadline ([`SHUTDOWN_GRACE`] by default).
+    pub shutdown_grace: Duration,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            once: false,
+            shutdown_grace: SHUTDOWN_GRACE,
+        }
+    }
 }
 
 /// Runs the controller until `shutdown` is cancelled (or one cycle with
 /// `once`): credentials from clouds.yaml/`OS_*`, the status endpoint on
 /// `listen`, the reconcile loop every `interval_secs`. The cycle running when
 /// `shutdown` is cancelled finishes without acting on the remaining pools;
-/// then the broker connection is closed.
+/// then the broker connection and the status endpoint are closed. All of
+/// that within one deadline, `opts.shutdown_grace` after the request
+/// ([`until_shutdown_deadline`]): what is still running then is aborted
+/// and `run` returns.
 ///
 /// # Errors
 /// [`RunError`] if the credentials are missing, the HTTP client cannot be
@@ -411,7 +448,7 @@ pub async fn run(
         })?;
     tracing::info!(listen = %listen, "serving /healthz, /status and /metrics");
     let http_stop = CancellationToken::new();
-    let http = tokio::spawn(crate::http::serve(
+    let mut http = tokio::spawn(crate::http::serve(
         listener,
         AppState {
             status: ctl.status.clone(),
@@ -421,41 +458,84 @@ pub async fn run(
     ));
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.cancelled() => break,
-        }
-        // A cycle ends on its own after a shutdown request (it acts on
-        // nothing more), except one waiting out a broker alarm in a fence:
-        // that one is given SHUTDOWN_GRACE.
-        let cycle = ctl.cycle(&shutdown);
-        tokio::pin!(cycle);
-        let s = tokio::select! {
-            s = &mut cycle => s,
-            _ = async {
-                shutdown.cancelled().await;
-                tokio::time::sleep(SHUTDOWN_GRACE).await;
-            } => {
-                tracing::warn!(grace_secs = SHUTDOWN_GRACE.as_secs(), "the cycle did not end after the shutdown request (waiting out a broker alarm?); stopping it");
+    let work = async {
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.cancelled() => break,
+            }
+            // A cycle ends on its own after a shutdown request (it acts on
+            // nothing more), except one waiting out a broker alarm in a
+            // fence: the shutdown deadline bounds that one.
+            let s = ctl.cycle(&shutdown).await;
+            tracing::debug!(?s, "cycle done");
+            if opts.once {
+                tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
                 break;
             }
-        };
-        tracing::debug!(?s, "cycle done");
-        if opts.once {
-            tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
-            break;
+            if shutdown.is_cancelled() {
+                break;
+            }
         }
-        if shutdown.is_cancelled() {
-            break;
+        ctl.broker().close().await;
+        http_stop.cancel();
+        match (&mut http).await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "status endpoint task failed"),
+            Ok(Ok(())) => {}
         }
-    }
-    ctl.broker().close().await;
-    http_stop.cancel();
-    match http.await {
-        Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),
-        Err(e) => tracing::warn!(error = %e, "status endpoint task failed"),
-        Ok(Ok(())) => {}
+    };
+    if until_shutdown_deadline(work, &shutdown, opts.shutdown_grace)
+        .await
+        .is_none()
+    {
+        tracing::warn!(
+            grace_secs = opts.shutdown_grace.as_secs_f64(),
+            "shutdown deadline passed: aborting the cycle, broker close or status requests still in flight (a cycle waiting out a broker alarm?)"
+        );
+        http.abort();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_shutdown_deadline_counts_from_the_request_and_aborts_what_still_runs() {
+        let shutdown = CancellationToken::new();
+        let grace = Duration::from_secs(30);
+        let t0 = Instant::now();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            // The request comes long after the work started.
+            tokio::time::sleep(Duration::from_secs(100)).await;
+            stop.cancel();
+        });
+        let out = until_shutdown_deadline(std::future::pending::<()>(), &shutdown, grace).await;
+        assert_eq!(out, None, "work that never ends is cut short");
+        assert_eq!(Instant::now() - t0, Duration::from_secs(130));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_that_ends_within_the_deadline_is_not_cut_short() {
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let t0 = Instant::now();
+        let work = async {
+            tokio::time::sleep(Duration::from_secs(29)).await;
+            7
+        };
+        let out = until_shutdown_deadline(work, &shutdown, Duration::from_secs(30)).await;
+        assert_eq!(out, Some(7));
+        assert_eq!(Instant::now() - t0, Duration::from_secs(29));
+        // Without a request there is no deadline at all.
+        let idle = CancellationToken::new();
+        let long = tokio::time::sleep(Duration::from_secs(3600));
+        assert_eq!(
+            until_shutdown_deadline(long, &idle, Duration::ZERO).await,
+            Some(())
+        );
+    }
 }
