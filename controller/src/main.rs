@@ -159,7 +159,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone(), opts.shutdown_grace));
-        run(cfg, opts, shutdown).await
+        run(cfg, creds, opts, shutdown).await
     });
     // `run` has kept the shutdown deadline; a blocking call still running
     // (a DNS lookup) must not hold the exit.

@@ -395,7 +395,8 @@ impl Default for RunOptions {
 }
 
 /// Runs the controller until `shutdown` is cancelled (or one cycle with
-/// `once`): credentials from clouds.yaml/`OS_*`, the status endpoint on
+/// `once`) with `creds` (found and checked once, in the configuration
+/// round, [`Credentials::discover`]): the status endpoint on
 /// `listen`, the reconcile loop every `interval_secs`. The cycle running when
 /// `shutdown` is cancelled finishes without acting on the remaining pools;
 /// then the broker connection and the status endpoint are closed. All of
@@ -404,15 +405,14 @@ impl Default for RunOptions {
 /// and `run` returns.
 ///
 /// # Errors
-/// [`RunError`] if the credentials are missing, the HTTP client cannot be
-/// built or `listen` cannot be bound.
+/// [`RunError`] if the HTTP client cannot be built, the compute API is too
+/// old or `listen` cannot be bound.
 pub async fn run(
     cfg: ControllerConfig,
+    creds: Credentials,
     opts: RunOptions,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
-    let env = |k: &str| std::env::var(k).ok();
-    let creds = Credentials::discover(&cfg.openstack, &env)?;
     tracing::info!(origin = %creds.origin, auth_url = %creds.auth_url, "OpenStack credentials found");
     let microversion = match cfg.openstack.compute_microversion.as_deref() {
         None => None,
