@@ -42,7 +42,7 @@ impl Broker {
         self.read_ids(&self.topo.fence_queue()).await
     }
 
-    /// Entries of the agent registry ([`Topology::agents_queue`]):
+    /// Entries of the agent registry ([`Topology::agents_queue`](vq_common::topology::Topology::agents_queue)):
     /// `(agent id, pool)`, deduplicated and sorted; entries without a pool
     /// header get pool `""` (they match no configured pool).
     ///

@@ -27,7 +27,7 @@ pub(super) struct Session {
     pub(super) image: Option<String>,
 }
 
-/// [`CloudApi`] over HTTP: Keystone v3, Nova v2.1, Glance v2.
+/// [`CloudApi`](super::CloudApi) over HTTP: Keystone v3, Nova v2.1, Glance v2.
 pub struct HttpCloud {
     pub(super) client: reqwest::Client,
     pub(super) creds: Credentials,
