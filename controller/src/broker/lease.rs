@@ -86,13 +86,7 @@ impl Broker {
         for d in leases {
             if let Some(id) = lease_job_id(&d).filter(|id| done.contains(id)) {
                 tracing::info!(agent, job_id = %id, "lease of a job whose result was already published: dropped");
-                bounded("ack a lease", OP_TIMEOUT, async {
-                    d.acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .map_err(AmqpError::op("ack lease"))
-                })
-                .await?;
+                ack_lease(&d).await?;
                 continue;
             }
             if let Some(claim) = header_str(&d.properties, CLAIM_HEADER) {
@@ -107,13 +101,7 @@ impl Broker {
                     tokio::time::timeout(OP_TIMEOUT, marker_ch.close(200, "looked".into())).await;
                 if vq_common::lease::leftover(marker?) == vq_common::lease::Leftover::Discard {
                     tracing::info!(agent, job_id = %id, "lease copy of a claim that never held the job: dropped");
-                    bounded("ack a lease", OP_TIMEOUT, async {
-                        d.acker
-                            .ack(BasicAckOptions::default())
-                            .await
-                            .map_err(AmqpError::op("ack lease"))
-                    })
-                    .await?;
+                    ack_lease(&d).await?;
                     continue;
                 }
             }
@@ -197,13 +185,7 @@ impl Broker {
                     report.failed.push(job_id);
                 }
             }
-            bounded("ack a lease", OP_TIMEOUT, async {
-                d.acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .map_err(AmqpError::op("ack lease"))
-            })
-            .await?;
+            ack_lease(&d).await?;
         }
         // Registry entries first: an agent (wrongly fenced, alive) that
         // finds its lease queue gone registers again, and that entry must
@@ -306,6 +288,18 @@ pub use vq_common::lease::{fate as lease_fate, LeaseFate};
 
 fn lease_job_id(d: &lapin::message::Delivery) -> Option<String> {
     envelope::job_id_of(&d.properties, &d.data)
+}
+
+/// Acks lease copy `d`: it is dealt with (requeued, failed or dropped).
+async fn ack_lease(d: &lapin::message::Delivery) -> Result<(), AmqpError> {
+    bounded("ack a lease", OP_TIMEOUT, async {
+        d.acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(AmqpError::op("ack lease"))
+    })
+    .await?;
+    Ok(())
 }
 
 /// The dead letter of a fenced agent's lease copy with properties

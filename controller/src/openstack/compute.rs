@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use vq_common::config::{Microversion, MIN_COMPUTE_MICROVERSION};
 
-use super::http::{fault_message, retry_after};
+use super::http::status_error;
 use super::{
     parse_timestamp, CloudApi, CreateServer, HttpCloud, Quota, Server, LIST_PAGE_SIZE, MAX_PAGES,
 };
@@ -177,14 +177,7 @@ impl HttpCloud {
                 continue;
             }
             if !status.is_success() {
-                let ra = retry_after(&resp);
-                let body = resp.text().await.unwrap_or_default();
-                return Err(CloudError::Status {
-                    op,
-                    status: status.as_u16(),
-                    message: fault_message(&body),
-                    retry_after: ra,
-                });
+                return Err(status_error(op, resp).await);
             }
             let doc: Value = Self::json(&op, resp).await?;
             return ComputeVersions::from_document(&doc)

@@ -97,7 +97,7 @@ fn pick_endpoint(
         .map(|e| e.url.trim_end_matches('/').to_string())
 }
 
-pub(super) fn fault_message(body: &str) -> String {
+fn fault_message(body: &str) -> String {
     let parsed: Option<Value> = serde_json::from_str(body).ok();
     let from_json = parsed.as_ref().and_then(|v| {
         let obj = v.as_object()?;
@@ -114,7 +114,21 @@ pub(super) fn fault_message(body: &str) -> String {
     msg
 }
 
-pub(super) fn retry_after(resp: &Response) -> Option<Duration> {
+/// The [`CloudError::Status`] of `op`'s error response `resp`: its status,
+/// fault message and `Retry-After`.
+pub(super) async fn status_error(op: String, resp: Response) -> CloudError {
+    let status = resp.status().as_u16();
+    let retry_after = retry_after(&resp);
+    let body = resp.text().await.unwrap_or_default();
+    CloudError::Status {
+        op,
+        status,
+        message: fault_message(&body),
+        retry_after,
+    }
+}
+
+fn retry_after(resp: &Response) -> Option<Duration> {
     resp.headers()
         .get(reqwest::header::RETRY_AFTER)?
         .to_str()
@@ -176,14 +190,7 @@ impl HttpCloud {
             })?;
         let status = resp.status();
         if !status.is_success() {
-            let ra = retry_after(&resp);
-            let body = resp.text().await.unwrap_or_default();
-            return Err(CloudError::Status {
-                op,
-                status: status.as_u16(),
-                message: fault_message(&body),
-                retry_after: ra,
-            });
+            return Err(status_error(op, resp).await);
         }
         let token = resp
             .headers()
@@ -279,8 +286,7 @@ impl HttpCloud {
                 renewed = true;
                 continue;
             }
-            let ra = retry_after(&resp);
-            let body = resp.text().await.unwrap_or_default();
+            let err = status_error(op.into(), resp).await;
             if status == StatusCode::NOT_ACCEPTABLE {
                 // Microversion not acceptable: the cloud may have been
                 // downgraded (or was unreadable at start). Its version
@@ -293,12 +299,7 @@ impl HttpCloud {
                     }
                 }
             }
-            return Err(CloudError::Status {
-                op: op.into(),
-                status: status.as_u16(),
-                message: fault_message(&body),
-                retry_after: ra,
-            });
+            return Err(err);
         }
     }
 
