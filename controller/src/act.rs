@@ -23,6 +23,8 @@ use crate::plan::{Action, DeleteCause};
 pub const IDENTITY_PATH: &str = "/etc/vq/identity.toml";
 
 pub use crate::broker::Messenger;
+/// The pool-specific context of [`act`] (and of [`crate::observe::observe_pool`]).
+pub use crate::observe::PoolRef;
 
 /// A new agent id: `<cluster>-<pool>-<8 hex digits>`.
 pub fn new_agent_id(cluster: &str, pool: &str) -> String {
@@ -133,19 +135,6 @@ pub struct ActReport {
     pub boot_failed: bool,
     /// Errors, each already logged once here.
     pub errors: Vec<ActError>,
-}
-
-/// The pool-specific context of [`act`].
-#[derive(Debug, Clone, Copy)]
-pub struct PoolRef<'a> {
-    /// Cluster name.
-    pub cluster: &'a str,
-    /// Pool name.
-    pub name: &'a str,
-    /// Pool settings.
-    pub cfg: &'a PoolConfig,
-    /// The controller's `loss_limit`, written into new agents' identity.
-    pub loss_limit: u32,
 }
 
 /// Carries out `actions` for `pool`. Deletions and questions go first (they

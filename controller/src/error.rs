@@ -278,9 +278,6 @@ impl ActError {
 /// Errors that stop the controller.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// OpenStack credentials are missing or invalid.
-    #[error("cannot set up the OpenStack client")]
-    Credentials(#[from] CredentialsError),
     /// The HTTP client could not be built.
     #[error("cannot build the HTTP client")]
     HttpClient(#[source] reqwest::Error),

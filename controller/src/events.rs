@@ -15,7 +15,39 @@ use lapin::{Channel, Consumer};
 use tokio::time::Instant;
 use vq_common::messages::{DeleteAnswer, Demand, Heartbeat, Message};
 
-use crate::observe::{AgentRecord, DemandMap};
+/// A heartbeat or answer with the controller's receive time.
+#[derive(Debug, Clone, Default)]
+pub struct AgentRecord {
+    /// Last heartbeat and when it arrived.
+    pub heartbeat: Option<(Heartbeat, Instant)>,
+    /// Last delete answer and when it arrived.
+    pub answer: Option<(DeleteAnswer, Instant)>,
+    /// Request ids of the ask-deletes this controller sent to the agent,
+    /// oldest first, at most [`ASKED_KEPT`]. Soft state: lost on restart,
+    /// after which the agent is simply asked again.
+    pub asked: Vec<String>,
+}
+
+/// Request ids remembered per agent.
+pub const ASKED_KEPT: usize = 8;
+
+impl AgentRecord {
+    /// Remembers that ask-delete `request_id` was sent (call it before
+    /// sending, so an answer cannot arrive first).
+    pub fn remember_ask(&mut self, request_id: &str) {
+        self.asked.push(request_id.to_string());
+        let excess = self.asked.len().saturating_sub(ASKED_KEPT);
+        self.asked.drain(..excess);
+    }
+
+    /// Whether `request_id` is one this controller sent.
+    pub fn asked_for(&self, request_id: &str) -> bool {
+        self.asked.iter().any(|r| r == request_id)
+    }
+}
+
+/// Latest demand per pool with its receive time.
+pub type DemandMap = BTreeMap<String, (Demand, Instant)>;
 
 /// Agent records not refreshed for this long are forgotten, seconds.
 pub const AGENT_RECORD_TTL_SECS: u64 = 3600;
@@ -218,67 +250,5 @@ mod tests {
         );
         assert!(!rec.answer.as_ref().unwrap().0.may_delete);
         assert_eq!(s.agents.len(), 1);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn only_answers_to_remembered_request_ids_are_matched() {
-        let mut s = Shared::default();
-        let t = Instant::now();
-        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"drained","slots":1,"running":[],"is_pull":false,"is_del":true,"idle_secs":99,"interval_secs":10,"at":0}"#;
-        record_event(&mut s, "agent.cms.heartbeat", hb, t);
-        let ans = |id: &str| {
-            format!(
-                r#"{{"agent":"vq-cms-1","pool":"cms","request_id":"{id}","may_delete":true,"running":[],"at":0}}"#
-            )
-        };
-        let matched = |s: &Shared| {
-            let server = crate::openstack::Server {
-                id: "id1".into(),
-                name: "vq-cms-1".into(),
-                status: "ACTIVE".into(),
-                task_state: None,
-                created: Some(0.0),
-                metadata: [
-                    (crate::openstack::META_CLUSTER.to_string(), "vq".to_string()),
-                    (crate::openstack::META_POOL.to_string(), "cms".to_string()),
-                ]
-                .into(),
-                tags: vec![],
-                fault: None,
-            };
-            let o = crate::observe::assemble(
-                "vq",
-                "cms",
-                &[server],
-                &s.agents,
-                None,
-                0,
-                None,
-                crate::observe::Clock {
-                    now: Instant::now(),
-                    unix_now: 100.0,
-                    listening_secs: 1000.0,
-                },
-            );
-            o.servers[0]
-                .agent
-                .as_ref()
-                .unwrap()
-                .answer
-                .as_ref()
-                .map(|a| a.matched)
-        };
-        // A yes to an id this controller never sent (e.g. before a restart).
-        record_event(&mut s, "agent.cms.answer", ans("old").as_bytes(), t);
-        assert_eq!(matched(&s), Some(false));
-        remember_ask(&mut s, "vq-cms-1", "r1");
-        record_event(&mut s, "agent.cms.answer", ans("r1").as_bytes(), t);
-        assert_eq!(matched(&s), Some(true));
-        // Only the last few ids are kept.
-        for i in 0..crate::observe::ASKED_KEPT {
-            remember_ask(&mut s, "vq-cms-1", &format!("n{i}"));
-        }
-        assert_eq!(matched(&s), Some(false));
-        assert_eq!(s.agents["vq-cms-1"].asked.len(), crate::observe::ASKED_KEPT);
     }
 }

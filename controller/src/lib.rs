@@ -1,10 +1,14 @@
 //! vq controller library: the stateless reconcile loop (`vq-controller`).
 //! The user/admin CLI `vq` is the crate `vq-cli` (`cli/`).
 //!
-//! The loop (STYLE.md practice 4) is observe ([`observe`]), plan
-//! ([`plan`], pure) and act ([`act`]), driven per pool by [`reconcile`];
-//! [`openstack`] talks to Keystone/Nova/Glance, [`broker`] to RabbitMQ, and
-//! [`http`] serves `/healthz`, `/status` ([`status`]) and `/metrics`.
+//! The loop (STYLE.md practice 4) is observe ([`observe`]: every read,
+//! the whole view of each pool), plan ([`plan`], pure) and act ([`act`]),
+//! with an explicit error policy ([`policy`]), driven per pool by
+//! [`reconcile`], which then fences lost agents ([`fence`]) and publishes
+//! the outcome ([`status`], [`metrics`]); [`openstack`] talks to
+//! Keystone/Nova/Glance, [`broker`] to RabbitMQ (what it hears goes into
+//! the event book, [`events`]), and [`http`] serves `/healthz`, `/status`
+//! and `/metrics`.
 
 #![forbid(unsafe_code)]
 
@@ -16,6 +20,7 @@ pub mod error;
 pub mod events;
 pub mod fence;
 pub mod http;
+pub mod metrics;
 pub mod observe;
 pub mod openstack;
 pub mod plan;

@@ -11,11 +11,7 @@ use vq_common::config::{load_checked, ControllerConfig, EXIT_CONFIG};
 use vq_common::error::chain;
 use vq_common::ConfigError;
 use vq_controller::openstack::Credentials;
-use vq_controller::reconcile::{run, RunOptions};
-
-/// Seconds the current cycle may take after the first signal before the
-/// process exits anyway.
-const GRACE: Duration = Duration::from_secs(30);
+use vq_controller::reconcile::{run, RunOptions, SHUTDOWN_GRACE};
 
 /// Reconciles RabbitMQ demand with OpenStack servers for vq pools.
 #[derive(Debug, Parser)]
@@ -30,6 +26,11 @@ struct Args {
     /// Run one reconcile cycle and exit.
     #[arg(long)]
     once: bool,
+    /// Seconds the controller may take to stop after the first SIGTERM or
+    /// SIGINT (finish the cycle in flight without acting, close the broker
+    /// connection); then it exits anyway. A second signal exits at once.
+    #[arg(long, value_name = "SECS", default_value_t = SHUTDOWN_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    shutdown_grace_secs: u64,
     /// Packaging: write the man page `vq-controller.8` into DIR and exit.
     #[arg(long, hide = true, value_name = "DIR")]
     generate_man: Option<PathBuf>,
@@ -151,11 +152,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let opts = RunOptions {
+        once: args.once,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+    };
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        tokio::spawn(watch_signals(shutdown.clone()));
-        run(cfg, RunOptions { once: args.once }, shutdown).await
+        tokio::spawn(watch_signals(shutdown.clone(), opts.shutdown_grace));
+        run(cfg, creds, opts, shutdown).await
     });
+    // `run` has kept the shutdown deadline; a blocking call still running
+    // (a DNS lookup) must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
     match result {
         Ok(()) => {
             tracing::info!("vq-controller stopped");
@@ -203,9 +211,10 @@ fn load_config(
     }
 }
 
-/// First SIGTERM/SIGINT: cancel `shutdown` (finish the current cycle, act no
-/// more). Second signal, or the grace period expiring: exit at once.
-async fn watch_signals(shutdown: CancellationToken) {
+/// First SIGTERM/SIGINT: cancel `shutdown` (finish the current cycle, act
+/// no more; [`run`] keeps the one deadline, `grace`). Second signal: exit at
+/// once.
+async fn watch_signals(shutdown: CancellationToken, grace: Duration) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -220,15 +229,14 @@ async fn watch_signals(shutdown: CancellationToken) {
     };
     tracing::info!(
         signal = first,
-        grace_secs = GRACE.as_secs(),
-        "shutting down gracefully: finishing the current cycle, acting no more"
+        grace_secs = grace.as_secs_f64(),
+        "shutting down gracefully: finishing the current cycle, acting no more; a second signal exits at once"
     );
     shutdown.cancel();
-    let how = tokio::select! {
-        _ = term.recv() => "second SIGTERM",
-        _ = int.recv() => "second SIGINT",
-        _ = tokio::time::sleep(GRACE) => "grace period expired",
+    let second = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
     };
-    tracing::warn!(reason = how, "forced exit");
+    tracing::warn!(signal = second, "second signal: exiting at once");
     std::process::exit(130);
 }

@@ -1,7 +1,11 @@
-//! Observe: build one pool's [`Observed`] view from the complete Nova
-//! server list, the agents' heartbeats and answers, the pool queue depth and
-//! bridge demand. All or nothing: the caller gets a view only when every
-//! source was read (STYLE.md practice 5).
+//! Observe: every read of a cycle, and the whole [`Observed`] view of
+//! each pool built from them. [`observe_world`] reads what all pools share
+//! once per cycle (broker connection and alarm probe, agent registry, the
+//! complete Nova server list, the quota, the event book);
+//! [`observe_pool`] reads a pool's queue depth and [`assemble`]s its view
+//! with what the controller remembers of the pool ([`PoolMemory`]). All or
+//! nothing: the caller gets a view only when every source was read (never
+//! act on a partial view).
 //!
 //! All ages are measured on the controller's own monotonic clock at
 //! observation time (heartbeats) or against the wall clock (Nova's
@@ -10,9 +14,16 @@
 use std::collections::BTreeMap;
 
 use tokio::time::Instant;
-use vq_common::messages::{AgentState, DeleteAnswer, Demand, Heartbeat};
+use vq_common::config::PoolConfig;
+use vq_common::messages::{unix_now, AgentState, Demand};
+use vq_common::topology::Topology;
 
-use crate::openstack::{Server, META_CLUSTER, META_POOL};
+use crate::broker::{BrokerApi, EventSnapshot};
+use crate::error::ObserveError;
+pub use crate::events::{AgentRecord, DemandMap, ASKED_KEPT};
+use crate::metrics::Metrics;
+use crate::openstack::{cluster_tag, CloudApi, Server, META_CLUSTER, META_POOL};
+use crate::policy::Refusals;
 
 /// Nova status of a server, reduced to what the planner distinguishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,40 +135,6 @@ pub struct Observed {
     pub unlisted_created: u32,
 }
 
-/// A heartbeat or answer with the controller's receive time.
-#[derive(Debug, Clone, Default)]
-pub struct AgentRecord {
-    /// Last heartbeat and when it arrived.
-    pub heartbeat: Option<(Heartbeat, Instant)>,
-    /// Last delete answer and when it arrived.
-    pub answer: Option<(DeleteAnswer, Instant)>,
-    /// Request ids of the ask-deletes this controller sent to the agent,
-    /// oldest first, at most [`ASKED_KEPT`]. Soft state: lost on restart,
-    /// after which the agent is simply asked again.
-    pub asked: Vec<String>,
-}
-
-/// Request ids remembered per agent.
-pub const ASKED_KEPT: usize = 8;
-
-impl AgentRecord {
-    /// Remembers that ask-delete `request_id` was sent (call it before
-    /// sending, so an answer cannot arrive first).
-    pub fn remember_ask(&mut self, request_id: &str) {
-        self.asked.push(request_id.to_string());
-        let excess = self.asked.len().saturating_sub(ASKED_KEPT);
-        self.asked.drain(..excess);
-    }
-
-    /// Whether `request_id` is one this controller sent.
-    pub fn asked_for(&self, request_id: &str) -> bool {
-        self.asked.iter().any(|r| r == request_id)
-    }
-}
-
-/// Latest demand per pool with its receive time.
-pub type DemandMap = BTreeMap<String, (Demand, Instant)>;
-
 /// Demand older than this is ignored, seconds (as the demand queue's TTL).
 pub const DEMAND_MAX_AGE_SECS: f64 = (vq_common::topology::DEMAND_TTL_MS / 1000) as f64;
 
@@ -179,18 +156,49 @@ pub struct Clock {
     pub listening_secs: f64,
 }
 
-/// Builds `pool`'s view from complete inputs. Pure.
-#[allow(clippy::too_many_arguments)]
-pub fn assemble(
-    cluster: &str,
-    pool: &str,
-    servers: &[Server],
-    agents: &BTreeMap<String, AgentRecord>,
-    demand: Option<&(Demand, Instant)>,
-    queue_depth: u64,
-    quota_remaining: Option<u32>,
-    clock: Clock,
-) -> Observed {
+/// Everything [`assemble`] builds one pool's [`Observed`] from, each read
+/// completely.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolInputs<'a> {
+    /// Cluster name.
+    pub cluster: &'a str,
+    /// Pool name.
+    pub pool: &'a str,
+    /// Every server of the cluster.
+    pub servers: &'a [Server],
+    /// The event book's agent records.
+    pub agents: &'a BTreeMap<String, AgentRecord>,
+    /// The pool's latest bridge demand, with its receive time.
+    pub demand: Option<&'a (Demand, Instant)>,
+    /// Ready messages in the pool's queue.
+    pub queue_depth: u64,
+    /// See [`Observed::quota_remaining`].
+    pub quota_remaining: Option<u32>,
+    /// See [`Observed::since_scale_down_secs`].
+    pub since_scale_down_secs: Option<f64>,
+    /// See [`Observed::since_boot_failure_secs`].
+    pub since_boot_failure_secs: Option<f64>,
+    /// See [`Observed::unlisted_created`].
+    pub unlisted_created: u32,
+    /// See [`Observed::boot_obstacle`].
+    pub boot_obstacle: Option<&'a str>,
+    /// The cycle's clock.
+    pub clock: Clock,
+}
+
+/// Builds a pool's whole view from complete inputs. Pure.
+pub fn assemble(input: &PoolInputs<'_>) -> Observed {
+    let PoolInputs {
+        cluster,
+        pool,
+        servers,
+        agents,
+        demand,
+        queue_depth,
+        quota_remaining,
+        clock,
+        ..
+    } = *input;
     let age = |t: Instant| clock.now.saturating_duration_since(t).as_secs_f64();
     let mut heartbeat_running: u64 = 0;
     let servers: Vec<ObservedServer> = servers
@@ -237,10 +245,10 @@ pub fn assemble(
         running: heartbeat_running.max(d_running),
         quota_remaining,
         listening_secs: clock.listening_secs,
-        since_scale_down_secs: None,
-        since_boot_failure_secs: None,
-        boot_obstacle: None,
-        unlisted_created: 0,
+        since_scale_down_secs: input.since_scale_down_secs,
+        since_boot_failure_secs: input.since_boot_failure_secs,
+        boot_obstacle: input.boot_obstacle.map(str::to_string),
+        unlisted_created: input.unlisted_created,
     }
 }
 
@@ -327,10 +335,236 @@ impl CreatedWatch {
     }
 }
 
+/// One pool of this controller, as a cycle observes it and acts on it.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolRef<'a> {
+    /// Cluster name.
+    pub cluster: &'a str,
+    /// Pool name.
+    pub name: &'a str,
+    /// Pool settings.
+    pub cfg: &'a PoolConfig,
+    /// The controller's `loss_limit`, written into new agents' identity.
+    pub loss_limit: u32,
+}
+
+/// What the controller remembers of its pools between cycles (soft state:
+/// a restarted controller starts empty, which costs at most one cooldown).
+#[derive(Debug, Default)]
+pub struct PoolMemory {
+    /// When each pool last asked an agent whether it may be deleted.
+    pub last_scale_down: BTreeMap<String, Instant>,
+    /// When each pool's last boot failed.
+    pub last_boot_failure: BTreeMap<String, Instant>,
+    /// The servers created that no listing has shown yet.
+    pub created_watch: CreatedWatch,
+}
+
+/// The part of a cycle's observation every pool shares, read once.
+#[derive(Debug)]
+pub struct World {
+    /// Every server of the cluster (the complete list).
+    pub servers: Vec<Server>,
+    /// The agent registry `(agent, pool)`, if it could be read.
+    pub registered: Option<Vec<(String, String)>>,
+    /// Instances the quota allows at the start of the cycle (`None`:
+    /// unlimited; `Some(0)` when it could not be read: boot nothing).
+    pub quota_remaining: Option<u32>,
+    /// The event book at the cycle's instant.
+    pub events: EventSnapshot,
+    /// The cycle's clock.
+    pub clock: Clock,
+}
+
+/// Why a cycle has no [`World`].
+#[derive(Debug)]
+pub enum NoWorld {
+    /// The broker blocks publishing (memory or disk alarm; its reason):
+    /// every pool is held, without backoff, since the alarm is not this
+    /// controller's failure.
+    Held(String),
+    /// A source every pool needs could not be read: every pool fails.
+    Failed(ObserveError),
+}
+
+/// Reads the [`World`] of a cycle at `now`: connects to the broker,
+/// probes for an alarm, reads the agent registry, the complete server
+/// list of `cluster`, the quota and the event book. A controller `started`
+/// at that instant judges nobody before it has listened long enough.
+/// Broker refusals are noted in `refusals`, failed cloud reads counted in
+/// `metrics`.
+///
+/// # Errors
+/// [`NoWorld`]: held during a broker alarm; failed without a broker
+/// connection, a probe or a server list. An unreadable registry or quota
+/// is no error (no orphans looked for; no boots).
+pub async fn observe_world<C: CloudApi, B: BrokerApi>(
+    cloud: &C,
+    broker: &B,
+    cluster: &str,
+    started: Instant,
+    now: Instant,
+    metrics: &Metrics,
+    refusals: &mut Refusals,
+) -> Result<World, NoWorld> {
+    if let Err(e) = broker.ensure_connected().await {
+        refusals.note(&e);
+        return Err(NoWorld::Failed(ObserveError::Broker(e)));
+    }
+    // During a broker alarm agents cannot publish heartbeats or answers:
+    // nothing is judged or acted on until it ends.
+    let probed = match broker.blocked() {
+        Some(reason) => Err(reason),
+        // A probe stuck behind an alarm another publish raised ends in
+        // a timeout: the blocked flag, set meanwhile, decides.
+        None => match (broker.probe().await, broker.blocked()) {
+            (_, Some(reason)) => Err(reason),
+            (Ok(()), None) => Ok(()),
+            (Err(e), None) => {
+                refusals.note(&e);
+                return Err(NoWorld::Failed(ObserveError::Probe(e)));
+            }
+        },
+    };
+    if let Err(reason) = probed {
+        metrics.broker_blocked.set(1);
+        tracing::info!(reason = %reason, "broker alarm: holding every pool this cycle");
+        return Err(NoWorld::Held(reason));
+    }
+    metrics.broker_blocked.set(0);
+    // Read before the server list: an agent registers from its server,
+    // so every registered agent whose server exists is in that list.
+    let registered = match broker.registered_agents().await {
+        Ok(r) => Some(r),
+        Err(e) => {
+            refusals.note(&e);
+            tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle");
+            None
+        }
+    };
+    let servers = match cloud.list_servers(&cluster_tag(cluster)).await {
+        Ok(s) => s,
+        Err(e) => {
+            metrics.cloud_errors.inc();
+            return Err(NoWorld::Failed(ObserveError::Servers(e)));
+        }
+    };
+    let quota_remaining = match cloud.quota().await {
+        Ok(q) => q.remaining(),
+        Err(e) => {
+            metrics.cloud_errors.inc();
+            tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
+            Some(0)
+        }
+    };
+    let events = broker.snapshot(now);
+    let clock = Clock {
+        now,
+        unix_now: unix_now(),
+        listening_secs: events
+            .listening_secs
+            .min(now.saturating_duration_since(started).as_secs_f64()),
+    };
+    Ok(World {
+        servers,
+        registered,
+        quota_remaining,
+        events,
+        clock,
+    })
+}
+
+/// Reads `pool`'s queue depth and builds its whole [`Observed`] from it,
+/// `world` (with `quota_remaining`: what the pools before it left) and
+/// `memory`, whose [`CreatedWatch`] takes this listing of the pool.
+///
+/// # Errors
+/// [`ObserveError::QueueDepth`] (a refusal is noted in `refusals`).
+pub async fn observe_pool<B: BrokerApi>(
+    broker: &B,
+    world: &World,
+    pool: PoolRef<'_>,
+    quota_remaining: Option<u32>,
+    memory: &mut PoolMemory,
+    refusals: &mut Refusals,
+) -> Result<Observed, ObserveError> {
+    let PoolRef {
+        cluster,
+        name: pool,
+        cfg: pool_cfg,
+        ..
+    } = pool;
+    let depth = match broker.queue_depth(pool).await {
+        Ok(d) => d,
+        Err(source) => {
+            refusals.note(&source);
+            return Err(ObserveError::QueueDepth {
+                queue: Topology::new(cluster.to_string()).pool_queue(pool),
+                source,
+            });
+        }
+    };
+    let now = world.clock.now;
+    let since = |m: &BTreeMap<String, Instant>| {
+        m.get(pool)
+            .map(|t| now.saturating_duration_since(*t).as_secs_f64())
+    };
+    let listed = world
+        .servers
+        .iter()
+        .filter(|s| owned_by(s, cluster, pool))
+        .map(|s| s.id.as_str());
+    let (unlisted_created, boot_obstacle) =
+        memory
+            .created_watch
+            .listed(pool, listed, pool_cfg.boot_timeout_secs, now);
+    Ok(assemble(&PoolInputs {
+        cluster,
+        pool,
+        servers: &world.servers,
+        agents: &world.events.agents,
+        demand: world.events.demand.get(pool),
+        queue_depth: depth,
+        quota_remaining,
+        since_scale_down_secs: since(&memory.last_scale_down),
+        since_boot_failure_secs: since(&memory.last_boot_failure),
+        unlisted_created,
+        boot_obstacle: boot_obstacle.as_deref(),
+        clock: world.clock,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::{record_event, remember_ask, Shared};
     use std::time::Duration;
+    use vq_common::messages::Heartbeat;
+
+    /// The inputs of one pool with no history and no created servers.
+    fn inputs<'a>(
+        servers: &'a [Server],
+        agents: &'a BTreeMap<String, AgentRecord>,
+        demand: Option<&'a (Demand, Instant)>,
+        queue_depth: u64,
+        quota_remaining: Option<u32>,
+        clock: Clock,
+    ) -> PoolInputs<'a> {
+        PoolInputs {
+            cluster: "vq",
+            pool: "cms",
+            servers,
+            agents,
+            demand,
+            queue_depth,
+            quota_remaining,
+            since_scale_down_secs: None,
+            since_boot_failure_secs: None,
+            unlisted_created: 0,
+            boot_obstacle: None,
+            clock,
+        }
+    }
 
     #[test]
     fn a_created_server_missing_from_two_listings_is_an_obstacle_until_listed() {
@@ -438,16 +672,7 @@ mod tests {
             unix_now: 1100.0,
             listening_secs: 5.0,
         };
-        let o = assemble(
-            "vq",
-            "cms",
-            &servers,
-            &agents,
-            Some(&demand),
-            3,
-            Some(4),
-            clock,
-        );
+        let o = assemble(&inputs(&servers, &agents, Some(&demand), 3, Some(4), clock));
         assert_eq!(o.servers.len(), 1);
         assert_eq!(o.servers[0].age_secs, Some(100.0));
         let a = o.servers[0].agent.as_ref().unwrap();
@@ -461,17 +686,29 @@ mod tests {
             now: Instant::now(),
             ..clock
         };
-        let o = assemble(
-            "vq",
-            "cms",
-            &servers,
-            &agents,
-            Some(&demand),
-            3,
-            None,
-            clock,
-        );
+        let o = assemble(&inputs(&servers, &agents, Some(&demand), 3, None, clock));
         assert_eq!(o.queued, 3, "stale demand is ignored");
+    }
+
+    #[test]
+    fn the_view_carries_the_pool_s_history_and_its_unlisted_servers() {
+        let agents = BTreeMap::new();
+        let clock = Clock {
+            now: Instant::now(),
+            unix_now: 1100.0,
+            listening_secs: 5.0,
+        };
+        let o = assemble(&PoolInputs {
+            since_scale_down_secs: Some(12.0),
+            since_boot_failure_secs: Some(3.0),
+            unlisted_created: 2,
+            boot_obstacle: Some("server x is missing"),
+            ..inputs(&[], &agents, None, 0, None, clock)
+        });
+        assert_eq!(o.since_scale_down_secs, Some(12.0));
+        assert_eq!(o.since_boot_failure_secs, Some(3.0));
+        assert_eq!(o.unlisted_created, 2);
+        assert_eq!(o.boot_obstacle.as_deref(), Some("server x is missing"));
     }
 
     #[test]
@@ -484,5 +721,72 @@ mod tests {
             NovaStatus::from_nova("SHUTOFF", None),
             NovaStatus::Other("SHUTOFF".into())
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_answers_to_remembered_request_ids_are_matched() {
+        let mut s = Shared::default();
+        let t = Instant::now();
+        let hb = br#"{"agent":"vq-cms-1","pool":"cms","state":"drained","slots":1,"running":[],"is_pull":false,"is_del":true,"idle_secs":99,"interval_secs":10,"at":0}"#;
+        record_event(&mut s, "agent.cms.heartbeat", hb, t);
+        let ans = |id: &str| {
+            format!(
+                r#"{{"agent":"vq-cms-1","pool":"cms","request_id":"{id}","may_delete":true,"running":[],"at":0}}"#
+            )
+        };
+        let matched = |s: &Shared| {
+            let server = Server {
+                id: "id1".into(),
+                name: "vq-cms-1".into(),
+                status: "ACTIVE".into(),
+                task_state: None,
+                created: Some(0.0),
+                metadata: [
+                    (META_CLUSTER.to_string(), "vq".to_string()),
+                    (META_POOL.to_string(), "cms".to_string()),
+                ]
+                .into(),
+                tags: vec![],
+                fault: None,
+            };
+            let servers = [server];
+            let o = assemble(&PoolInputs {
+                cluster: "vq",
+                pool: "cms",
+                servers: &servers,
+                agents: &s.agents,
+                demand: None,
+                queue_depth: 0,
+                quota_remaining: None,
+                since_scale_down_secs: None,
+                since_boot_failure_secs: None,
+                unlisted_created: 0,
+                boot_obstacle: None,
+                clock: Clock {
+                    now: Instant::now(),
+                    unix_now: 100.0,
+                    listening_secs: 1000.0,
+                },
+            });
+            o.servers[0]
+                .agent
+                .as_ref()
+                .unwrap()
+                .answer
+                .as_ref()
+                .map(|a| a.matched)
+        };
+        // A yes to an id this controller never sent (e.g. before a restart).
+        record_event(&mut s, "agent.cms.answer", ans("old").as_bytes(), t);
+        assert_eq!(matched(&s), Some(false));
+        remember_ask(&mut s, "vq-cms-1", "r1");
+        record_event(&mut s, "agent.cms.answer", ans("r1").as_bytes(), t);
+        assert_eq!(matched(&s), Some(true));
+        // Only the last few ids are kept.
+        for i in 0..ASKED_KEPT {
+            remember_ask(&mut s, "vq-cms-1", &format!("n{i}"));
+        }
+        assert_eq!(matched(&s), Some(false));
+        assert_eq!(s.agents["vq-cms-1"].asked.len(), ASKED_KEPT);
     }
 }

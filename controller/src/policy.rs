@@ -15,6 +15,8 @@
 
 use std::time::Duration;
 
+use vq_common::amqp::AmqpError;
+
 use crate::error::{ActError, ObserveError};
 
 /// Longest `Retry-After` honoured: a service asking for more is retried
@@ -69,6 +71,34 @@ pub fn error_policy(err: CycleError<'_>) -> Next {
     Next {
         at_least: retry_after.map(|d| d.min(MAX_RETRY_AFTER)),
         permanent: !transient,
+    }
+}
+
+/// The first permission the broker refused in a cycle
+/// ([`AmqpError::access_refused`]): a cycle with one counts as failed for
+/// lack of permission (`/healthz` 503, `/status` `broker_access_refused`),
+/// whichever step met it (observe, act or fence).
+#[derive(Debug, Default)]
+pub struct Refusals {
+    first: Option<String>,
+}
+
+impl Refusals {
+    /// Notes `e` if the broker refused it for lack of a permission; the
+    /// first one of the cycle is logged and kept.
+    pub fn note(&mut self, e: &AmqpError) {
+        if let Some(text) = e.access_refused() {
+            if self.first.is_none() {
+                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /healthz reports 503");
+                self.first = Some(text);
+            }
+        }
+    }
+
+    /// The refusal noted since the last call, if any (a cycle starts with
+    /// none).
+    pub fn take(&mut self) -> Option<String> {
+        self.first.take()
     }
 }
 

@@ -1,8 +1,9 @@
 //! The reconcile loop: every `interval_secs`, for each pool that is not
-//! backing off, observe (all or nothing), plan (pure), act, and publish the
-//! result on the status page and in the metrics; a failed pool is backed
-//! off as [`crate::policy::error_policy`] says, and the leases of lost
-//! agents are returned ([`crate::fence`]). The loop keeps only soft
+//! backing off, observe (all or nothing, [`crate::observe`]), plan (pure,
+//! [`crate::plan`]), act ([`crate::act`]) and publish the result on the
+//! status page and in the metrics ([`crate::status`]); a failed pool is
+//! backed off as [`crate::policy::error_policy`] says, and the leases of
+//! lost agents are returned ([`crate::fence`]). The loop keeps only soft
 //! state (backoff, cooldown instants, the event map): restarting the
 //! controller loses nothing and creates no duplicates.
 
@@ -12,25 +13,46 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use vq_common::amqp::AmqpError;
 use vq_common::config::{ControllerConfig, Microversion};
-use vq_common::messages::unix_now;
 use vq_common::topology::Topology;
 
 use crate::act::{act, PoolRef};
 use crate::backoff::{PoolBackoff, POOL_BACKOFF};
 use crate::broker::Broker;
-use crate::error::{CloudError, ObserveError, RunError};
+use crate::error::{ActError, CloudError, ObserveError, RunError};
 use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
-use crate::observe::{assemble, Clock, CreatedWatch};
-use crate::openstack::{cluster_tag, CloudApi, Credentials, HttpCloud};
-use crate::plan::{plan, Action, Class, Timing};
-use crate::policy::{error_policy, CycleError};
-use crate::status::{Decision, PoolStatus, ServerStatus, StatusReport, DECISIONS_KEPT};
+use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
+use crate::openstack::{CloudApi, Credentials, HttpCloud};
+use crate::plan::{plan, Timing};
+use crate::policy::{error_policy, CycleError, Refusals};
+use crate::status::{self, PoolStatus, StatusReport};
 
-/// How long a cycle may go on after a shutdown request, seconds.
+/// The shutdown deadline: how long after the first shutdown request the
+/// controller may take to stop (finish the cycle in flight, acting no
+/// more, close the broker connection and the status endpoint); whatever
+/// is still running then is aborted. Below the unit's `TimeoutStopSec`.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Runs `work` to its end, or until `grace` has passed since `shutdown`
+/// was cancelled, whichever comes first: the controller's one shutdown
+/// deadline, counted from the request, not from when `work` started.
+/// `None`: the deadline cut `work` short (it is dropped, which aborts its
+/// in-flight calls).
+pub async fn until_shutdown_deadline<F: std::future::Future>(
+    work: F,
+    shutdown: &CancellationToken,
+    grace: Duration,
+) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        out = work => Some(out),
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(grace).await;
+        } => None,
+    }
+}
 
 pub use crate::broker::BrokerApi;
 
@@ -54,22 +76,34 @@ pub struct CycleSummary {
     pub fenced: Vec<String>,
 }
 
+/// How one pool's turn of a cycle ended.
+enum Turn {
+    /// Observing the pool failed: nothing was planned.
+    Unobserved(ObserveError),
+    /// Observed and planned, not acted on (shutting down).
+    Planned,
+    /// Acted: servers created and deleted, and the first failed action.
+    Acted {
+        created: u32,
+        deleted: u32,
+        failure: Option<ActError>,
+    },
+}
+
 /// The controller: configuration, clients and soft state.
 pub struct Controller<C, B> {
     cfg: ControllerConfig,
     cloud: C,
     broker: B,
     backoff: BTreeMap<String, PoolBackoff>,
-    last_scale_down: BTreeMap<String, Instant>,
-    last_boot_failure: BTreeMap<String, Instant>,
+    /// Cooldown instants and the servers created but not listed yet.
+    memory: PoolMemory,
     /// When this controller first saw each agent registry entry: an agent
     /// is judged by the registry only after a whole heartbeat timeout in it
     /// (a new agent registers before its first heartbeat).
     registry_first_seen: BTreeMap<String, Instant>,
-    /// Servers this controller created that no listing has shown yet.
-    created_watch: CreatedWatch,
-    /// The first ACCESS_REFUSED text the broker gave in the running cycle.
-    refused: Option<String>,
+    /// The first ACCESS_REFUSED the broker gave in the running cycle.
+    refusals: Refusals,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -99,11 +133,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             cloud,
             broker,
             backoff,
-            last_scale_down: BTreeMap::new(),
-            last_boot_failure: BTreeMap::new(),
+            memory: PoolMemory::default(),
             registry_first_seen: BTreeMap::new(),
-            created_watch: CreatedWatch::default(),
-            refused: None,
+            refusals: Refusals::default(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
@@ -133,123 +165,56 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         } else {
             tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
         }
-        let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(ps) = st.pools.get_mut(pool) {
-            ps.last_error = Some(chain);
-        }
-    }
-
-    /// Records `e` if the broker refused it for lack of a permission
-    /// ([`AmqpError::access_refused`]): the cycle then counts as failed
-    /// for lack of permission (`/healthz` 503, `/status`
-    /// `broker_access_refused`).
-    fn note_broker_error(&mut self, e: &AmqpError) {
-        if let Some(text) = e.access_refused() {
-            if self.refused.is_none() {
-                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /healthz reports 503");
-                self.refused = Some(text);
-            }
-        }
+        status::show_error(&self.status, pool, chain);
     }
 
     /// Runs one cycle. With `shutdown` cancelled, observes and plans but
     /// does not act. A cycle that touched the broker sets or clears
     /// [`StatusReport::broker_access_refused`].
     pub async fn cycle(&mut self, shutdown: &CancellationToken) -> CycleSummary {
-        self.refused = None;
+        self.refusals.take();
         let summary = self.cycle_inner(shutdown).await;
         let ran = !(summary.ok.is_empty() && summary.failed.is_empty() && summary.held.is_empty());
         if ran {
-            let refused = self.refused.take();
-            self.status
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .broker_access_refused = refused;
+            status::show_refused(&self.status, self.refusals.take());
         }
         summary
     }
 
+    /// The pools not backing off observe the world once, then each takes
+    /// its turn (observe, plan, act, error policy), each seeing the quota
+    /// the ones before it left; then lost agents are fenced.
     async fn cycle_inner(&mut self, shutdown: &CancellationToken) -> CycleSummary {
         let now = Instant::now();
         let mut summary = CycleSummary::default();
-        let pools: Vec<String> = self.cfg.pools.keys().cloned().collect();
-        let ready: Vec<String> = pools
-            .iter()
-            .filter(|p| self.backoff[*p].ready(now))
+        let (ready, skipped): (Vec<String>, Vec<String>) = self
+            .cfg
+            .pools
+            .keys()
             .cloned()
-            .collect();
-        summary.skipped = pools
-            .iter()
-            .filter(|p| !ready.contains(p))
-            .cloned()
-            .collect();
+            .partition(|p| self.backoff[p].ready(now));
+        summary.skipped = skipped;
         if ready.is_empty() {
             return summary;
         }
-        if let Err(e) = self.broker.ensure_connected().await {
-            self.note_broker_error(&e);
-            let e = ObserveError::Broker(e);
-            for p in &ready {
-                self.fail_pool(p, now, CycleError::Observe(&e));
-            }
-            summary.failed = ready;
-            return summary;
-        }
-        // During a broker alarm agents cannot publish heartbeats or answers:
-        // nothing is judged or acted on until it ends (no backoff: the
-        // alarm is not this controller's failure).
-        let probed = match self.broker.blocked() {
-            Some(reason) => Err(reason),
-            // A probe stuck behind an alarm another publish raised ends in
-            // a timeout: the blocked flag, set meanwhile, decides.
-            None => match (self.broker.probe().await, self.broker.blocked()) {
-                (_, Some(reason)) => Err(reason),
-                (Ok(()), None) => Ok(()),
-                (Err(e), None) => {
-                    self.note_broker_error(&e);
-                    let e = ObserveError::Probe(e);
-                    for p in &ready {
-                        self.fail_pool(p, now, CycleError::Observe(&e));
-                    }
-                    summary.failed = ready;
-                    return summary;
-                }
-            },
-        };
-        if let Err(reason) = probed {
-            self.metrics.broker_blocked.set(1);
-            tracing::info!(reason = %reason, "broker alarm: holding every pool this cycle");
-            let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
-            for p in &ready {
-                if let Some(ps) = st.pools.get_mut(p) {
-                    ps.last_error = Some(format!(
-                        "the broker blocks publishing ({reason}): holding, no VM booted or deleted"
-                    ));
-                }
-            }
-            summary.held = ready;
-            return summary;
-        }
-        self.metrics.broker_blocked.set(0);
-        // Read before the server list: an agent registers from its server,
-        // so every registered agent whose server exists is in that list.
-        let registered = match self.broker.registered_agents().await {
-            Ok(r) => Some(r),
-            Err(e) => {
-                self.note_broker_error(&e);
-                tracing::warn!(error = %e, "cannot read the agent registry; orphaned leases are looked for next cycle");
-                None
-            }
-        };
-        let servers = match self
-            .cloud
-            .list_servers(&cluster_tag(&self.cfg.cluster))
-            .await
+        let world = match observe_world(
+            &self.cloud,
+            &self.broker,
+            &self.cfg.cluster,
+            self.started,
+            now,
+            &self.metrics,
+            &mut self.refusals,
+        )
+        .await
         {
-            Ok(s) => s,
-            Err(e) => {
-                self.metrics.cloud_errors.inc();
-                let e = ObserveError::Servers(e);
+            Ok(w) => w,
+            Err(NoWorld::Held(reason)) => {
+                status::show_held(&self.status, &ready, &reason);
+                summary.held = ready;
+                return summary;
+            }
+            Err(NoWorld::Failed(e)) => {
                 for p in &ready {
                     self.fail_pool(p, now, CycleError::Observe(&e));
                 }
@@ -257,294 +222,197 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 return summary;
             }
         };
-        let mut quota = match self.cloud.quota().await {
-            Ok(q) => q.remaining(),
-            Err(e) => {
-                self.metrics.cloud_errors.inc();
-                tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
-                Some(0)
-            }
-        };
-        let events = self.broker.snapshot(now);
-        let clock = Clock {
-            now,
-            unix_now: unix_now(),
-            listening_secs: events
-                .listening_secs
-                .min(now.saturating_duration_since(self.started).as_secs_f64()),
-        };
-        let timing = Timing {
-            heartbeat_timeout_secs: self.cfg.heartbeat_timeout_secs,
-        };
+        let mut quota = world.quota_remaining;
         for pool in ready {
-            let depth = match self.broker.queue_depth(&pool).await {
-                Ok(d) => d,
-                Err(source) => {
-                    self.note_broker_error(&source);
-                    let e = ObserveError::QueueDepth {
-                        queue: Topology::new(self.cfg.cluster.clone()).pool_queue(&pool),
-                        source,
-                    };
+            match self.pool_turn(&pool, &world, quota, shutdown).await {
+                Turn::Unobserved(e) => {
                     self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
-                    continue;
                 }
-            };
-            let pool_cfg = self.cfg.pools[&pool].clone();
-            let mut observed = assemble(
-                &self.cfg.cluster,
-                &pool,
-                &servers,
-                &events.agents,
-                events.demand.get(&pool),
-                depth,
-                quota,
-                clock,
-            );
-            let since = |m: &BTreeMap<String, Instant>| {
-                m.get(&pool)
-                    .map(|t| now.saturating_duration_since(*t).as_secs_f64())
-            };
-            observed.since_scale_down_secs = since(&self.last_scale_down);
-            observed.since_boot_failure_secs = since(&self.last_boot_failure);
-            (observed.unlisted_created, observed.boot_obstacle) = self.created_watch.listed(
-                &pool,
-                observed.servers.iter().map(|s| s.id.as_str()),
-                pool_cfg.boot_timeout_secs,
-                now,
-            );
-            let was_stopped = self
-                .status
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .pools
-                .get(&pool)
-                .is_some_and(|ps| ps.obstacle.is_some());
-            match (&observed.boot_obstacle, was_stopped) {
-                (Some(why), false) => {
-                    tracing::warn!(pool = %pool, reason = %why, "boots stopped")
-                }
-                (None, true) => {
-                    tracing::info!(pool = %pool, "created servers listed again: boots resume")
-                }
-                _ => {}
-            }
-            let planned = plan(&observed, &pool_cfg, timing);
-            for h in &planned.held {
-                tracing::info!(pool = %pool, reason = %h, "held back");
-            }
-            tracing::debug!(pool = %pool, target = planned.target, active = planned.active, booting = planned.booting, queued = observed.queued, running = observed.running, "planned");
-            self.publish_status(&pool, &observed, &planned);
-            if shutdown.is_cancelled() {
-                if !planned.actions.is_empty() {
-                    tracing::info!(pool = %pool, actions = planned.actions.len(), "shutting down: not acting");
-                }
-                summary.ok.push(pool);
-                continue;
-            }
-            let report = act(
-                PoolRef {
-                    cluster: &self.cfg.cluster,
-                    name: &pool,
-                    cfg: &pool_cfg,
-                    loss_limit: self.cfg.loss_limit,
-                },
-                &planned.actions,
-                &self.cloud,
-                &self.broker,
-            )
-            .await;
-            if let Some(q) = quota.as_mut() {
-                *q = q.saturating_sub(report.created.len() as u32);
-            }
-            let created_at = Instant::now();
-            for (name, id) in &report.created {
-                self.created_watch.created(&pool, id, name, created_at);
-            }
-            summary.created += report.created.len() as u32;
-            summary.deleted += report.deleted.len() as u32;
-            self.metrics
-                .created
-                .get_or_create(&Metrics::pool(&pool))
-                .inc_by(report.created.len() as u64);
-            for (_, cause) in &report.deleted {
-                self.metrics
-                    .deleted
-                    .get_or_create(&Metrics::pool_and(&pool, "reason", cause.label()))
-                    .inc();
-            }
-            if !report.asked.is_empty() {
-                self.last_scale_down.insert(pool.clone(), now);
-            }
-            if report.boot_failed {
-                self.last_boot_failure.insert(pool.clone(), now);
-            }
-            let cloud_errors = report
-                .errors
-                .iter()
-                .filter(|e| {
-                    matches!(
-                        e,
-                        crate::error::ActError::Create { .. }
-                            | crate::error::ActError::Delete { .. }
-                            | crate::error::ActError::Resolve { .. }
-                    )
-                })
-                .count();
-            self.metrics.cloud_errors.inc_by(cloud_errors as u64);
-            for e in &report.errors {
-                if let crate::error::ActError::Control { source, .. } = e {
-                    self.note_broker_error(source);
-                }
-            }
-            match report.errors.first() {
-                Some(e) => {
-                    self.fail_pool(&pool, now, CycleError::Act(e));
-                    summary.failed.push(pool);
-                }
-                None => {
-                    self.backoff.get_mut(&pool).expect("pool").succeeded();
-                    summary.ok.push(pool);
+                Turn::Planned => summary.ok.push(pool),
+                Turn::Acted {
+                    created,
+                    deleted,
+                    failure,
+                } => {
+                    quota = quota.map(|q| q.saturating_sub(created));
+                    summary.created += created;
+                    summary.deleted += deleted;
+                    match failure {
+                        Some(e) => {
+                            self.fail_pool(&pool, now, CycleError::Act(&e));
+                            summary.failed.push(pool);
+                        }
+                        None => {
+                            self.backoff.get_mut(&pool).expect("pool").succeeded();
+                            summary.ok.push(pool);
+                        }
+                    }
                 }
             }
         }
         if !shutdown.is_cancelled() {
-            fence::note_registry(&mut self.registry_first_seen, registered.as_deref(), now);
-            let in_nova: BTreeSet<&str> = servers.iter().map(|s| s.name.as_str()).collect();
-            let pools: BTreeSet<&str> = self.cfg.pools.keys().map(String::as_str).collect();
-            let view = FenceView {
-                in_nova: &in_nova,
-                registered: registered.as_deref(),
-                events: &events,
-                registry_first_seen: &self.registry_first_seen,
-                listening_secs: clock.listening_secs,
-                now,
-                timeout_secs: self.cfg.heartbeat_timeout_secs,
-            };
-            let out = fence::fence_step(&self.broker, &view, &pools, self.cfg.loss_limit).await;
-            for e in &out.errors {
-                self.note_broker_error(e);
-            }
-            summary.fenced = out.fenced;
+            summary.fenced = self.fence_lost(&world).await;
         }
         summary
     }
 
-    fn publish_status(
-        &self,
-        pool: &str,
-        observed: &crate::observe::Observed,
-        planned: &crate::plan::Plan,
-    ) {
-        let mut vms = crate::status::VmCounts::default();
-        let mut agents = crate::status::AgentCounts::default();
-        let mut servers = Vec::new();
-        for (s, c) in observed.servers.iter().zip(&planned.classes) {
-            match c {
-                Class::Booting | Class::Unknown => vms.booting += 1,
-                Class::Idle => {
-                    vms.active += 1;
-                    agents.idle += 1;
-                }
-                Class::Busy => {
-                    vms.active += 1;
-                    agents.busy += 1;
-                }
-                Class::Draining | Class::Agreed => {
-                    vms.draining += 1;
-                    agents.draining += 1;
-                }
-                Class::Error | Class::StuckBuild | Class::BlackHole | Class::Dead => vms.error += 1,
-                Class::Vanishing => {}
+    /// One pool's turn: observe it (with `quota` instances left), plan,
+    /// publish the plan, and act on it unless shutting down.
+    async fn pool_turn(
+        &mut self,
+        name: &str,
+        world: &World,
+        quota: Option<u32>,
+        shutdown: &CancellationToken,
+    ) -> Turn {
+        let now = world.clock.now;
+        let pool_cfg = self.cfg.pools[name].clone();
+        let pool = PoolRef {
+            cluster: &self.cfg.cluster,
+            name,
+            cfg: &pool_cfg,
+            loss_limit: self.cfg.loss_limit,
+        };
+        let observed = match observe_pool(
+            &self.broker,
+            world,
+            pool,
+            quota,
+            &mut self.memory,
+            &mut self.refusals,
+        )
+        .await
+        {
+            Ok(o) => o,
+            Err(e) => return Turn::Unobserved(e),
+        };
+        match (
+            &observed.boot_obstacle,
+            status::has_obstacle(&self.status, name),
+        ) {
+            (Some(why), false) => {
+                tracing::warn!(pool = %name, reason = %why, "boots stopped")
             }
-            servers.push(ServerStatus {
-                id: s.id.clone(),
-                name: s.name.clone(),
-                status: match &s.status {
-                    crate::observe::NovaStatus::Build => "BUILD".into(),
-                    crate::observe::NovaStatus::Active => "ACTIVE".into(),
-                    crate::observe::NovaStatus::Error => "ERROR".into(),
-                    crate::observe::NovaStatus::Deleting => "DELETING".into(),
-                    crate::observe::NovaStatus::Other(o) => o.clone(),
-                },
-                agent_state: c.agent_state().into(),
-                running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
-            });
+            (None, true) => {
+                tracing::info!(pool = %name, "created servers listed again: boots resume")
+            }
+            _ => {}
         }
-        let m = &self.metrics;
-        m.pool_queued
-            .get_or_create(&Metrics::pool(pool))
-            .set(observed.queued as i64);
-        m.pool_running
-            .get_or_create(&Metrics::pool(pool))
-            .set(observed.running as i64);
-        m.pool_target
-            .get_or_create(&Metrics::pool(pool))
-            .set(i64::from(planned.target));
-        for (state, n) in [
-            ("booting", vms.booting),
-            ("active", vms.active),
-            ("draining", vms.draining),
-            ("error", vms.error),
-        ] {
-            m.pool_vms
-                .get_or_create(&Metrics::pool_and(pool, "state", state))
-                .set(i64::from(n));
+        let timing = Timing {
+            heartbeat_timeout_secs: self.cfg.heartbeat_timeout_secs,
+        };
+        let planned = plan(&observed, &pool_cfg, timing);
+        for h in &planned.held {
+            tracing::info!(pool = %name, reason = %h, "held back");
         }
-        let now = unix_now();
-        let mut st = self.status.write().unwrap_or_else(|p| p.into_inner());
-        st.generated_at = now;
-        st.uptime_secs = self.started.elapsed().as_secs_f64();
-        let ps = st.pools.entry(pool.to_string()).or_default();
-        ps.queued = observed.queued;
-        ps.running = observed.running;
-        ps.target = planned.target;
-        ps.vms = vms;
-        ps.agents = agents;
-        ps.servers = servers;
-        ps.observed_at = now;
-        ps.last_error = None;
-        ps.obstacle = observed.boot_obstacle.clone();
-        for a in &planned.actions {
-            ps.last_decisions.push(Decision {
-                at: now as u64,
-                action: a.kind().into(),
-                server: match a {
-                    Action::Boot { .. } => None,
-                    Action::AskDelete { agent, .. } => Some(agent.clone()),
-                    Action::Delete { name, .. } => Some(name.clone()),
-                },
-                reason: a.reason().into(),
-            });
+        tracing::debug!(pool = %name, target = planned.target, active = planned.active, booting = planned.booting, queued = observed.queued, running = observed.running, "planned");
+        status::publish(
+            &self.status,
+            &self.metrics,
+            self.started,
+            name,
+            &observed,
+            &planned,
+        );
+        if shutdown.is_cancelled() {
+            if !planned.actions.is_empty() {
+                tracing::info!(pool = %name, actions = planned.actions.len(), "shutting down: not acting");
+            }
+            return Turn::Planned;
         }
-        let excess = ps.last_decisions.len().saturating_sub(DECISIONS_KEPT);
-        ps.last_decisions.drain(..excess);
+        let report = act(pool, &planned.actions, &self.cloud, &self.broker).await;
+        let created_at = Instant::now();
+        for (server, id) in &report.created {
+            self.memory
+                .created_watch
+                .created(name, id, server, created_at);
+        }
+        status::count_actions(&self.metrics, name, &report);
+        if !report.asked.is_empty() {
+            self.memory.last_scale_down.insert(name.to_string(), now);
+        }
+        if report.boot_failed {
+            self.memory.last_boot_failure.insert(name.to_string(), now);
+        }
+        for e in &report.errors {
+            if let ActError::Control { source, .. } = e {
+                self.refusals.note(source);
+            }
+        }
+        Turn::Acted {
+            created: report.created.len() as u32,
+            deleted: report.deleted.len() as u32,
+            failure: report.errors.into_iter().next(),
+        }
+    }
+
+    /// The fence step of a cycle ([`fence::fence_step`]): marks the agents
+    /// without a server and returns the leases of every marked agent whose
+    /// server is gone. Returns the agents fenced.
+    async fn fence_lost(&mut self, world: &World) -> Vec<String> {
+        let now = world.clock.now;
+        fence::note_registry(
+            &mut self.registry_first_seen,
+            world.registered.as_deref(),
+            now,
+        );
+        let in_nova: BTreeSet<&str> = world.servers.iter().map(|s| s.name.as_str()).collect();
+        let pools: BTreeSet<&str> = self.cfg.pools.keys().map(String::as_str).collect();
+        let view = FenceView {
+            in_nova: &in_nova,
+            registered: world.registered.as_deref(),
+            events: &world.events,
+            registry_first_seen: &self.registry_first_seen,
+            listening_secs: world.clock.listening_secs,
+            now,
+            timeout_secs: self.cfg.heartbeat_timeout_secs,
+        };
+        let out = fence::fence_step(&self.broker, &view, &pools, self.cfg.loss_limit).await;
+        for e in &out.errors {
+            self.refusals.note(e);
+        }
+        out.fenced
     }
 }
 
 /// Options of [`run`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct RunOptions {
     /// Run one cycle, then return.
     pub once: bool,
+    /// The shutdown deadline ([`SHUTDOWN_GRACE`] by default).
+    pub shutdown_grace: Duration,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            once: false,
+            shutdown_grace: SHUTDOWN_GRACE,
+        }
+    }
 }
 
 /// Runs the controller until `shutdown` is cancelled (or one cycle with
-/// `once`): credentials from clouds.yaml/`OS_*`, the status endpoint on
+/// `once`) with `creds` (found and checked once, in the configuration
+/// round, [`Credentials::discover`]): the status endpoint on
 /// `listen`, the reconcile loop every `interval_secs`. The cycle running when
 /// `shutdown` is cancelled finishes without acting on the remaining pools;
-/// then the broker connection is closed.
+/// then the broker connection and the status endpoint are closed. All of
+/// that within one deadline, `opts.shutdown_grace` after the request
+/// ([`until_shutdown_deadline`]): what is still running then is aborted
+/// and `run` returns.
 ///
 /// # Errors
-/// [`RunError`] if the credentials are missing, the HTTP client cannot be
-/// built or `listen` cannot be bound.
+/// [`RunError`] if the HTTP client cannot be built, the compute API is too
+/// old or `listen` cannot be bound.
 pub async fn run(
     cfg: ControllerConfig,
+    creds: Credentials,
     opts: RunOptions,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
-    let env = |k: &str| std::env::var(k).ok();
-    let creds = Credentials::discover(&cfg.openstack, &env)?;
     tracing::info!(origin = %creds.origin, auth_url = %creds.auth_url, "OpenStack credentials found");
     let microversion = match cfg.openstack.compute_microversion.as_deref() {
         None => None,
@@ -580,7 +448,7 @@ pub async fn run(
         })?;
     tracing::info!(listen = %listen, "serving /healthz, /status and /metrics");
     let http_stop = CancellationToken::new();
-    let http = tokio::spawn(crate::http::serve(
+    let mut http = tokio::spawn(crate::http::serve(
         listener,
         AppState {
             status: ctl.status.clone(),
@@ -590,41 +458,84 @@ pub async fn run(
     ));
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.cancelled() => break,
-        }
-        // A cycle ends on its own after a shutdown request (it acts on
-        // nothing more), except one waiting out a broker alarm in a fence:
-        // that one is given SHUTDOWN_GRACE.
-        let cycle = ctl.cycle(&shutdown);
-        tokio::pin!(cycle);
-        let s = tokio::select! {
-            s = &mut cycle => s,
-            _ = async {
-                shutdown.cancelled().await;
-                tokio::time::sleep(SHUTDOWN_GRACE).await;
-            } => {
-                tracing::warn!(grace_secs = SHUTDOWN_GRACE.as_secs(), "the cycle did not end after the shutdown request (waiting out a broker alarm?); stopping it");
+    let work = async {
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown.cancelled() => break,
+            }
+            // A cycle ends on its own after a shutdown request (it acts on
+            // nothing more), except one waiting out a broker alarm in a
+            // fence: the shutdown deadline bounds that one.
+            let s = ctl.cycle(&shutdown).await;
+            tracing::debug!(?s, "cycle done");
+            if opts.once {
+                tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
                 break;
             }
-        };
-        tracing::debug!(?s, "cycle done");
-        if opts.once {
-            tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
-            break;
+            if shutdown.is_cancelled() {
+                break;
+            }
         }
-        if shutdown.is_cancelled() {
-            break;
+        ctl.broker().close().await;
+        http_stop.cancel();
+        match (&mut http).await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "status endpoint task failed"),
+            Ok(Ok(())) => {}
         }
-    }
-    ctl.broker().close().await;
-    http_stop.cancel();
-    match http.await {
-        Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),
-        Err(e) => tracing::warn!(error = %e, "status endpoint task failed"),
-        Ok(Ok(())) => {}
+    };
+    if until_shutdown_deadline(work, &shutdown, opts.shutdown_grace)
+        .await
+        .is_none()
+    {
+        tracing::warn!(
+            grace_secs = opts.shutdown_grace.as_secs_f64(),
+            "shutdown deadline passed: aborting the cycle, broker close or status requests still in flight (a cycle waiting out a broker alarm?)"
+        );
+        http.abort();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_shutdown_deadline_counts_from_the_request_and_aborts_what_still_runs() {
+        let shutdown = CancellationToken::new();
+        let grace = Duration::from_secs(30);
+        let t0 = Instant::now();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            // The request comes long after the work started.
+            tokio::time::sleep(Duration::from_secs(100)).await;
+            stop.cancel();
+        });
+        let out = until_shutdown_deadline(std::future::pending::<()>(), &shutdown, grace).await;
+        assert_eq!(out, None, "work that never ends is cut short");
+        assert_eq!(Instant::now() - t0, Duration::from_secs(130));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_that_ends_within_the_deadline_is_not_cut_short() {
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let t0 = Instant::now();
+        let work = async {
+            tokio::time::sleep(Duration::from_secs(29)).await;
+            7
+        };
+        let out = until_shutdown_deadline(work, &shutdown, Duration::from_secs(30)).await;
+        assert_eq!(out, Some(7));
+        assert_eq!(Instant::now() - t0, Duration::from_secs(29));
+        // Without a request there is no deadline at all.
+        let idle = CancellationToken::new();
+        let long = tokio::time::sleep(Duration::from_secs(3600));
+        assert_eq!(
+            until_shutdown_deadline(long, &idle, Duration::ZERO).await,
+            Some(())
+        );
+    }
 }

@@ -1,0 +1,471 @@
+//! The controller's RabbitMQ side: one long-lived connection that declares
+//! the topology, listens to agent events (`agent.#`: heartbeats, delete
+//! answers, drained notices) and bridge demand, reads pool queue depths and
+//! publishes control messages to agents.
+//!
+//! What the consumers hear goes into the event book ([`crate::events`]);
+//! the dead-letter watch is [`crate::dead_watch`]. The [`BrokerApi`] and
+//! [`Messenger`] traits the loop and its fakes use live here, beside the
+//! real implementation.
+//!
+//! Fencing (DESIGN.md, "Leases"): before a server is deleted its agent id
+//! is put into the durable fence queue `<c>.fence` ([`Broker::mark_fence`],
+//! with the agent registry's reads in [`entries`]); once the server is gone
+//! from Nova, [`Broker::fence`] ([`lease`]) empties the agent's
+//! lease queue (rerunnable jobs back to their pool with the loss counter
+//! incremented, past the limit or non-rerunnable: `job.failed` and dead
+//! letter), deletes it and removes the fence entry. The fence queue keeps
+//! the controller stateless: a restart between delete and requeue loses
+//! nothing.
+//!
+//! Dead letters: see [`crate::dead_watch`].
+
+use std::future::Future;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, Consumer};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use vq_common::amqp::{self, bounded, AmqpError};
+use vq_common::config::BrokerConfig;
+use vq_common::messages::{Control, Message};
+use vq_common::topology::{Topology, ALL_AGENT_EVENTS};
+
+pub use crate::dead_watch::broker_dead_letter_event;
+use crate::dead_watch::watch_dead_letters;
+use crate::events::{consume_demand, consume_events, watch_blocked};
+pub use crate::events::{record_event, remember_ask, EventSnapshot, Shared, AGENT_RECORD_TTL_SECS};
+
+pub mod entries;
+pub mod lease;
+
+pub use lease::{lease_fate, FenceReport, LeaseFate};
+
+const OP_TIMEOUT: Duration = Duration::from_secs(15);
+
+struct Session {
+    conn: Connection,
+    channel: Channel,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// The controller's broker client.
+pub struct Broker {
+    cfg: BrokerConfig,
+    user: String,
+    topo: Topology,
+    pools: Vec<String>,
+    session: Mutex<Option<Session>>,
+    shared: Arc<StdMutex<Shared>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("topology", &self.topo)
+            .field("pools", &self.pools)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Broker {
+    /// A client for `cfg` managing `pools` of `topo`'s cluster. Does no I/O.
+    pub fn new(cfg: BrokerConfig, topo: Topology, pools: Vec<String>) -> Self {
+        Broker {
+            user: amqp::broker_user(&cfg.url),
+            cfg,
+            topo,
+            pools,
+            session: Mutex::new(None),
+            shared: Arc::new(StdMutex::new(Shared::default())),
+        }
+    }
+
+    /// The broker user this client logs in as and stamps as `user_id` on
+    /// control messages and requeued jobs
+    /// ([`vq_common::amqp::broker_user`]: `guest` when the URL names none).
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    /// Connects (if not connected): declares the topology, starts the event
+    /// and demand consumers.
+    ///
+    /// # Errors
+    /// [`AmqpError`] if the broker cannot be reached or refuses a
+    /// declaration.
+    pub async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        let mut guard = self.session.lock().await;
+        if let Some(s) = guard.as_ref() {
+            // A consumer that ended (its channel failed) is restarted with
+            // the whole session: dead letters must not wait unwatched.
+            if s.conn.status().connected()
+                && s.channel.status().connected()
+                && !s.tasks.iter().any(JoinHandle::is_finished)
+            {
+                return Ok(());
+            }
+            tracing::warn!("broker connection or channel lost; reconnecting");
+            for t in &s.tasks {
+                t.abort();
+            }
+            let _ =
+                tokio::time::timeout(OP_TIMEOUT, s.conn.close(320, "reconnecting".into())).await;
+            let mut sh = self.shared_lock();
+            sh.listening_since = None;
+            sh.blocked = None;
+        }
+        *guard = None;
+        let conn = amqp::connect(&self.cfg, "vq-controller").await?;
+        let channel = amqp::confirm_channel(&conn).await?;
+        amqp::declare_topology(&channel, &self.topo, self.pools.iter().map(String::as_str)).await?;
+        amqp::declare_bound_queue(
+            &channel,
+            &self.topo.dead_watch_queue(),
+            &self.topo.dead_watch_queue_args(),
+            &self.topo.dead_exchange(),
+            "",
+        )
+        .await?;
+        let events = self.start_events(&conn).await?;
+        let demand = self.start_demand(&conn).await?;
+        let dead = self.start_dead_watch(&conn).await?;
+        let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
+        {
+            let mut sh = self.shared_lock();
+            sh.listening_since = Some(Instant::now());
+            sh.blocked = None;
+        }
+        tracing::info!(
+            broker = %vq_common::config::redact_url(&self.cfg.url),
+            "connected to the broker, topology declared, listening to agent events and demand"
+        );
+        *guard = Some(Session {
+            conn,
+            channel,
+            tasks: vec![events, demand, alarms, dead],
+        });
+        Ok(())
+    }
+
+    fn shared_lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn start_events(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open (events)"))?;
+        let consumer = amqp::subscribe(
+            &ch,
+            "",
+            &self.topo.events_exchange(),
+            &[ALL_AGENT_EVENTS],
+            "vq-controller-events",
+        )
+        .await?;
+        let shared = self.shared.clone();
+        Ok(tokio::spawn(consume_events(consumer, shared, ch)))
+    }
+
+    async fn start_demand(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open (demand)"))?;
+        let consumer =
+            consume_acked(&ch, &self.topo.demand_queue(), "vq-controller-demand", 100).await?;
+        let shared = self.shared.clone();
+        Ok(tokio::spawn(consume_demand(consumer, shared, ch)))
+    }
+
+    async fn start_dead_watch(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open (dead letters)"))?;
+        let publish = amqp::confirm_channel(conn).await?;
+        let consumer = consume_acked(
+            &ch,
+            &self.topo.dead_watch_queue(),
+            "vq-controller-dead-watch",
+            1,
+        )
+        .await?;
+        Ok(tokio::spawn(watch_dead_letters(
+            consumer,
+            ch,
+            publish,
+            self.topo.clone(),
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+            self.shared.clone(),
+        )))
+    }
+
+    /// A copy of the agent and demand state, with old records pruned.
+    pub fn snapshot(&self, now: Instant) -> EventSnapshot {
+        self.shared_lock().snapshot(now)
+    }
+
+    /// The broker's reason while it blocks the controller's connection
+    /// (resource alarm), else `None`. Learnt from `connection.blocked`,
+    /// which RabbitMQ sends only to connections that publish: see
+    /// [`Broker::probe`].
+    pub fn blocked(&self) -> Option<String> {
+        self.shared_lock().blocked.clone()
+    }
+
+    /// Publishes an empty, unroutable message (control exchange, routing
+    /// key [`Topology::probe_key`], which is no agent id) and waits for its
+    /// confirm. Called every cycle so that a broker memory or disk alarm
+    /// blocks this connection, and the controller learns of it, before
+    /// the agents' silenced heartbeats could be taken for dead agents.
+    ///
+    /// # Errors
+    /// [`AmqpError`] if not connected or unconfirmed within
+    /// `confirm_timeout_secs`.
+    pub async fn probe(&self) -> Result<(), AmqpError> {
+        let channel = self.channel().await?;
+        amqp::publish_confirmed(
+            &channel,
+            &self.topo.control_exchange(),
+            &self.topo.probe_key(),
+            b"",
+            BasicProperties::default(),
+            false,
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+        )
+        .await
+    }
+
+    /// Ready messages in `pool`'s queue (passive declare).
+    ///
+    /// # Errors
+    /// [`AmqpError`] if not connected or the queue cannot be inspected.
+    pub async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        let channel = self.channel().await?;
+        let name = self.topo.pool_queue(pool);
+        let q = bounded(&format!("inspect {name}"), OP_TIMEOUT, async {
+            channel
+                .queue_declare(
+                    name.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(AmqpError::op("queue.declare passive"))
+        })
+        .await?;
+        Ok(u64::from(q.message_count()))
+    }
+
+    async fn channel(&self) -> Result<Channel, AmqpError> {
+        let guard = self.session.lock().await;
+        match guard.as_ref() {
+            Some(s) if s.channel.status().connected() => Ok(s.channel.clone()),
+            _ => Err(AmqpError::Timeout {
+                what: "broker channel (not connected)".into(),
+                secs: 0,
+            }),
+        }
+    }
+
+    /// Sends `msg` to `agent`'s control queue, mandatory and confirmed; an
+    /// agent that is not connected gives [`AmqpError::Unroutable`].
+    ///
+    /// # Errors
+    /// [`AmqpError`].
+    pub async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
+        let channel = self.channel().await?;
+        if let Control::AskDelete { request_id } = msg {
+            // Before publishing: the answer may arrive before the confirm.
+            remember_ask(&mut self.shared_lock(), agent, request_id);
+        }
+        // The agent authorises control messages by the broker-validated
+        // user_id (its `control_admins`), so it must be set.
+        let mut props = amqp::json_properties::<Control>();
+        props = props.with_user_id(self.user().into());
+        amqp::publish_confirmed(
+            &channel,
+            &self.topo.control_exchange(),
+            agent,
+            &msg.encode(),
+            props,
+            true,
+            Duration::from_secs(self.cfg.confirm_timeout_secs),
+        )
+        .await
+    }
+
+    async fn fresh_channel(&self) -> Result<Channel, AmqpError> {
+        let guard = self.session.lock().await;
+        match guard.as_ref() {
+            Some(s) if s.conn.status().connected() => amqp::confirm_channel(&s.conn).await,
+            _ => Err(AmqpError::Timeout {
+                what: "broker connection (not connected)".into(),
+                secs: 0,
+            }),
+        }
+    }
+
+    /// Closes the connection (before the runtime is dropped).
+    pub async fn close(&self) {
+        let mut guard = self.session.lock().await;
+        if let Some(s) = guard.take() {
+            for t in &s.tasks {
+                t.abort();
+            }
+            // A blocked connection (broker alarm) does not read our close.
+            match tokio::time::timeout(
+                OP_TIMEOUT,
+                s.conn.close(200, "controller shutting down".into()),
+            )
+            .await
+            {
+                Ok(Ok(())) => tracing::info!("broker connection closed"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "closing the broker connection failed"),
+                Err(_) => tracing::warn!(
+                    "the broker did not answer our close in time; dropping the connection"
+                ),
+            }
+        }
+    }
+}
+
+/// Sends control messages to agents (the broker, or a fake in tests).
+pub trait Messenger: Send + Sync {
+    /// Sends `msg` to `agent`.
+    fn send_control(
+        &self,
+        agent: &str,
+        msg: &Control,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+
+    /// Records durably that `agent` is being fenced, before its server is
+    /// deleted, so that its leases are returned even if the controller
+    /// restarts right after the delete.
+    fn mark_fence(&self, agent: &str) -> impl Future<Output = Result<(), AmqpError>> + Send;
+}
+
+impl Messenger for Broker {
+    async fn send_control(&self, agent: &str, msg: &Control) -> Result<(), AmqpError> {
+        Broker::send_control(self, agent, msg).await
+    }
+    async fn mark_fence(&self, agent: &str) -> Result<(), AmqpError> {
+        Broker::mark_fence(self, agent).await
+    }
+}
+
+/// The broker operations the loop needs (the real [`Broker`] or a fake).
+/// No method has a default body: a fake implements the whole contract, so
+/// the fake tests run the fencing path, and a new implementation that
+/// forgot a method does not compile.
+pub trait BrokerApi: Messenger {
+    /// Connects if needed.
+    fn ensure_connected(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Ready messages in the pool's queue.
+    fn queue_depth(&self, pool: &str) -> impl Future<Output = Result<u64, AmqpError>> + Send;
+    /// Agent and demand state now.
+    fn snapshot(&self, now: Instant) -> EventSnapshot;
+    /// The broker's reason while it blocks publishing (see
+    /// [`crate::broker::Broker::blocked`]), else `None`.
+    fn blocked(&self) -> Option<String>;
+    /// A confirmed publish that makes a broker alarm visible (see
+    /// [`crate::broker::Broker::probe`]).
+    fn probe(&self) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// Agents being fenced (see [`crate::broker::Broker::pending_fences`]).
+    fn pending_fences(&self) -> impl Future<Output = Result<Vec<String>, AmqpError>> + Send;
+    /// `(agent, pool)` entries of the registry (see
+    /// [`crate::broker::Broker::registered_agents`]).
+    fn registered_agents(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, AmqpError>> + Send;
+    /// Empties and deletes `agent`'s lease queue (see
+    /// [`crate::broker::Broker::fence`]).
+    fn fence(
+        &self,
+        agent: &str,
+        loss_limit: u32,
+    ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send;
+}
+
+impl BrokerApi for Broker {
+    async fn ensure_connected(&self) -> Result<(), AmqpError> {
+        Broker::ensure_connected(self).await
+    }
+    async fn queue_depth(&self, pool: &str) -> Result<u64, AmqpError> {
+        Broker::queue_depth(self, pool).await
+    }
+    fn snapshot(&self, now: Instant) -> EventSnapshot {
+        Broker::snapshot(self, now)
+    }
+    fn blocked(&self) -> Option<String> {
+        Broker::blocked(self)
+    }
+    async fn probe(&self) -> Result<(), AmqpError> {
+        Broker::probe(self).await
+    }
+    async fn pending_fences(&self) -> Result<Vec<String>, AmqpError> {
+        Broker::pending_fences(self).await
+    }
+    async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
+        Broker::registered_agents(self).await
+    }
+    async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
+        Broker::fence(self, agent, loss_limit).await
+    }
+}
+
+/// Consumes the named queue `queue` with manual acks and prefetch
+/// `prefetch`, consumer tag `tag`.
+async fn consume_acked(
+    ch: &Channel,
+    queue: &str,
+    tag: &str,
+    prefetch: u16,
+) -> Result<Consumer, AmqpError> {
+    bounded(&format!("consume {queue}"), OP_TIMEOUT, async {
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(AmqpError::op("basic.qos"))?;
+        ch.basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::op("basic.consume"))
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn the_broker_user_is_taken_from_the_url_and_is_guest_without_one() {
+        let broker = |url: &str| {
+            Broker::new(
+                BrokerConfig {
+                    url: url.into(),
+                    ..Default::default()
+                },
+                Topology::new("vq"),
+                vec![],
+            )
+        };
+        assert_eq!(broker("amqp://vq%2Dctl:pw@h:5672/%2f").user(), "vq-ctl");
+        // RabbitMQ's (and lapin's) default login: control messages must
+        // carry it as user_id, or every agent ignores them.
+        assert_eq!(broker("amqp://host/%2f").user(), "guest");
+    }
+}

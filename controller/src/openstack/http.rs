@@ -1,0 +1,360 @@
+//! HTTP plumbing of [`HttpCloud`]: the client, the Keystone token and the
+//! service catalog (renewed before it expires), sending a request with one
+//! token renewal on 401 and a version check on 406, and the OpenStack fault
+//! message of an error response.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use reqwest::{RequestBuilder, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::Mutex;
+use vq_common::config::Microversion;
+use vq_common::messages::unix_now;
+
+use super::{parse_timestamp, Credentials, DEFAULT_COMPUTE_MICROVERSION, TOKEN_RENEW_MARGIN_SECS};
+use crate::error::CloudError;
+
+/// A Keystone token and the endpoints its catalog gave.
+#[derive(Debug, Clone)]
+pub(super) struct Session {
+    pub(super) token: String,
+    expires_at: f64,
+    /// The compute endpoint.
+    pub(super) compute: String,
+    /// The image endpoint, if the catalog has one.
+    pub(super) image: Option<String>,
+}
+
+/// [`CloudApi`](super::CloudApi) over HTTP: Keystone v3, Nova v2.1, Glance v2.
+pub struct HttpCloud {
+    pub(super) client: reqwest::Client,
+    pub(super) creds: Credentials,
+    pub(super) microversion: Microversion,
+    session: Mutex<Option<Session>>,
+    /// Flavor ids by configured name ([`super::lookup`]).
+    pub(super) flavors: Mutex<BTreeMap<String, String>>,
+    /// Image ids by configured name ([`super::lookup`]).
+    pub(super) images: Mutex<BTreeMap<String, String>>,
+}
+
+impl std::fmt::Debug for HttpCloud {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpCloud")
+            .field("creds", &self.creds)
+            .field("microversion", &self.microversion)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+struct TokenBody {
+    token: TokenInfo,
+}
+
+#[derive(Deserialize)]
+struct TokenInfo {
+    expires_at: String,
+    #[serde(default)]
+    catalog: Vec<CatalogEntry>,
+}
+
+#[derive(Deserialize)]
+struct CatalogEntry {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    endpoints: Vec<Endpoint>,
+}
+
+#[derive(Deserialize)]
+struct Endpoint {
+    interface: String,
+    #[serde(default)]
+    region: Option<String>,
+    #[serde(default)]
+    region_id: Option<String>,
+    url: String,
+}
+
+fn pick_endpoint(
+    catalog: &[CatalogEntry],
+    service: &str,
+    interface: &str,
+    region: Option<&str>,
+) -> Option<String> {
+    catalog
+        .iter()
+        .filter(|c| c.kind == service)
+        .flat_map(|c| c.endpoints.iter())
+        .find(|e| {
+            e.interface == interface
+                && region.is_none_or(|r| {
+                    e.region.as_deref() == Some(r) || e.region_id.as_deref() == Some(r)
+                })
+        })
+        .map(|e| e.url.trim_end_matches('/').to_string())
+}
+
+fn fault_message(body: &str) -> String {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    let from_json = parsed.as_ref().and_then(|v| {
+        let obj = v.as_object()?;
+        obj.values()
+            .find_map(|inner| inner.get("message").and_then(Value::as_str))
+            .or_else(|| obj.get("message").and_then(Value::as_str))
+            .map(str::to_string)
+    });
+    let msg = from_json.unwrap_or_else(|| body.split_whitespace().collect::<Vec<_>>().join(" "));
+    let mut msg: String = msg.chars().take(300).collect();
+    if msg.is_empty() {
+        msg.push_str("(empty body)");
+    }
+    msg
+}
+
+/// The [`CloudError::Status`] of `op`'s error response `resp`: its status,
+/// fault message and `Retry-After`.
+pub(super) async fn status_error(op: String, resp: Response) -> CloudError {
+    let status = resp.status().as_u16();
+    let retry_after = retry_after(&resp);
+    let body = resp.text().await.unwrap_or_default();
+    CloudError::Status {
+        op,
+        status,
+        message: fault_message(&body),
+        retry_after,
+    }
+}
+
+fn retry_after(resp: &Response) -> Option<Duration> {
+    resp.headers()
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
+}
+impl HttpCloud {
+    /// A client for `creds`, requesting compute microversion `microversion`
+    /// (`None`: [`DEFAULT_COMPUTE_MICROVERSION`]). Does no I/O; the first
+    /// call authenticates. [`HttpCloud::check_compute_version`] tells
+    /// whether the cloud serves that microversion.
+    ///
+    /// # Errors
+    /// The reqwest error if the HTTP client cannot be built (no rustls
+    /// provider installed).
+    pub fn new(
+        creds: Credentials,
+        microversion: Option<Microversion>,
+    ) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(60))
+            .user_agent(concat!("vq-controller/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(HttpCloud {
+            client,
+            creds,
+            microversion: microversion.unwrap_or(DEFAULT_COMPUTE_MICROVERSION),
+            session: Mutex::new(None),
+            flavors: Mutex::new(BTreeMap::new()),
+            images: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// The credentials in use.
+    pub fn credentials(&self) -> &Credentials {
+        &self.creds
+    }
+
+    /// The compute microversion this client requests.
+    pub fn microversion(&self) -> Microversion {
+        self.microversion
+    }
+    async fn authenticate(&self) -> Result<Session, CloudError> {
+        let url = self.creds.token_url();
+        let op = format!("POST {url}");
+        let resp = self
+            .client
+            .post(&url)
+            .json(&self.creds.token_request())
+            .send()
+            .await
+            .map_err(|source| CloudError::Transport {
+                op: op.clone(),
+                source,
+            })?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(status_error(op, resp).await);
+        }
+        let token = resp
+            .headers()
+            .get("x-subject-token")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .ok_or_else(|| CloudError::Decode {
+                op: op.clone(),
+                detail: "no X-Subject-Token header".into(),
+            })?;
+        let body: TokenBody = resp.json().await.map_err(|e| CloudError::Decode {
+            op: op.clone(),
+            detail: e.to_string(),
+        })?;
+        let expires_at =
+            parse_timestamp(&body.token.expires_at).ok_or_else(|| CloudError::Decode {
+                op: op.clone(),
+                detail: format!("bad expires_at {:?}", body.token.expires_at),
+            })?;
+        let region = self.creds.region.as_deref();
+        let iface = &self.creds.interface;
+        let compute =
+            pick_endpoint(&body.token.catalog, "compute", iface, region).ok_or_else(|| {
+                CloudError::NoEndpoint {
+                    service: "compute".into(),
+                    interface: iface.clone(),
+                    region: self.creds.region.clone(),
+                }
+            })?;
+        let image = pick_endpoint(&body.token.catalog, "image", iface, region);
+        tracing::info!(
+            origin = %self.creds.origin,
+            compute = %compute,
+            image = image.as_deref().unwrap_or("-"),
+            expires_in_secs = (expires_at - unix_now()) as i64,
+            "authenticated to Keystone"
+        );
+        Ok(Session {
+            token,
+            expires_at,
+            compute,
+            image,
+        })
+    }
+
+    pub(super) async fn session(&self, force: bool) -> Result<Session, CloudError> {
+        let mut guard = self.session.lock().await;
+        if let Some(s) = guard.as_ref() {
+            if !force && s.expires_at - unix_now() > TOKEN_RENEW_MARGIN_SECS {
+                return Ok(s.clone());
+            }
+        }
+        let s = self.authenticate().await?;
+        *guard = Some(s.clone());
+        Ok(s)
+    }
+
+    /// Sends a request built by `build` from the session; renews the token
+    /// and retries once on 401. Returns the response if its status is a
+    /// success or is in `ok_also`.
+    pub(super) async fn send(
+        &self,
+        op: &str,
+        ok_also: &[StatusCode],
+        build: impl Fn(&Session) -> RequestBuilder,
+    ) -> Result<Response, CloudError> {
+        let mut renewed = false;
+        loop {
+            let session = self.session(renewed).await?;
+            let resp = build(&session)
+                .header("X-Auth-Token", &session.token)
+                .header(
+                    "OpenStack-API-Version",
+                    format!("compute {}", self.microversion),
+                )
+                .header(
+                    "X-OpenStack-Nova-API-Version",
+                    self.microversion.to_string(),
+                )
+                .header("Accept", "application/json")
+                .send()
+                .await
+                .map_err(|source| CloudError::Transport {
+                    op: op.into(),
+                    source,
+                })?;
+            let status = resp.status();
+            if status.is_success() || ok_also.contains(&status) {
+                return Ok(resp);
+            }
+            if status == StatusCode::UNAUTHORIZED && !renewed {
+                tracing::info!(op, "token refused (401); renewing it and retrying once");
+                renewed = true;
+                continue;
+            }
+            let err = status_error(op.into(), resp).await;
+            if status == StatusCode::NOT_ACCEPTABLE {
+                // Microversion not acceptable: the cloud may have been
+                // downgraded (or was unreadable at start). Its version
+                // document says which versions it serves.
+                match self.check_compute_version().await {
+                    Err(e @ CloudError::Microversion { .. }) => return Err(e),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(op, error = %e, "answered 406 and the compute version document cannot be read")
+                    }
+                }
+            }
+            return Err(err);
+        }
+    }
+
+    pub(super) async fn json<T: serde::de::DeserializeOwned>(
+        op: &str,
+        resp: Response,
+    ) -> Result<T, CloudError> {
+        let bytes = resp.bytes().await.map_err(|source| CloudError::Transport {
+            op: op.into(),
+            source,
+        })?;
+        serde_json::from_slice(&bytes).map_err(|e| CloudError::Decode {
+            op: op.into(),
+            detail: e.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn catalog_endpoints_are_chosen_by_interface_and_region() {
+        let catalog: Vec<CatalogEntry> = serde_json::from_value(json!([
+            {"type": "compute", "endpoints": [
+                {"interface": "internal", "region": "R1", "url": "http://int/"},
+                {"interface": "public", "region": "R2", "url": "http://r2"},
+                {"interface": "public", "region": "R1", "url": "http://r1/v2.1/"}
+            ]}
+        ]))
+        .unwrap();
+        assert_eq!(
+            pick_endpoint(&catalog, "compute", "public", Some("R1")).as_deref(),
+            Some("http://r1/v2.1")
+        );
+        assert_eq!(
+            pick_endpoint(&catalog, "compute", "internal", None).as_deref(),
+            Some("http://int")
+        );
+        assert_eq!(pick_endpoint(&catalog, "image", "public", None), None);
+    }
+
+    #[test]
+    fn nova_fault_messages_are_extracted() {
+        assert_eq!(
+            fault_message(
+                r#"{"itemNotFound": {"message": "Flavor x could not be found.", "code": 404}}"#
+            ),
+            "Flavor x could not be found."
+        );
+        assert_eq!(
+            fault_message("<html> Bad\n gateway </html>"),
+            "<html> Bad gateway </html>"
+        );
+    }
+}

@@ -1,0 +1,585 @@
+//! Tests of the scaling rule: examples of each decision and the
+//! properties of `plan()` (proptest).
+
+use super::*;
+use crate::observe::{AgentSeen, AnswerSeen};
+use proptest::prelude::*;
+
+const T: Timing = Timing {
+    heartbeat_timeout_secs: 60.0,
+};
+
+fn pool(min: u32, max: u32, slots: u32) -> PoolConfig {
+    PoolConfig {
+        flavor: "f".into(),
+        image: "i".into(),
+        agent_broker_url: "amqp://a".into(),
+        min,
+        max,
+        slots,
+        boot_timeout_secs: 600,
+        idle_secs: 60,
+        cooldown_secs: 30,
+        ..PoolConfig::default()
+    }
+}
+
+fn agent(running: u32, idle_secs: f64, hb_age: f64) -> AgentSeen {
+    AgentSeen {
+        heartbeat_age_secs: hb_age,
+        state: if running > 0 {
+            AgentState::Busy
+        } else {
+            AgentState::Idle
+        },
+        running,
+        is_del: false,
+        idle_secs,
+        answer: None,
+    }
+}
+
+fn srv(name: &str, status: NovaStatus, age: f64, agent: Option<AgentSeen>) -> ObservedServer {
+    ObservedServer {
+        id: format!("id-{name}"),
+        name: name.into(),
+        status,
+        age_secs: Some(age),
+        agent,
+    }
+}
+
+fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
+    Observed {
+        pool: "cms".into(),
+        servers,
+        queued,
+        running,
+        quota_remaining: None,
+        listening_secs: 1000.0,
+        since_scale_down_secs: None,
+        since_boot_failure_secs: None,
+        boot_obstacle: None,
+        unlisted_created: 0,
+    }
+}
+
+fn boots(p: &Plan) -> u32 {
+    p.actions
+        .iter()
+        .map(|a| match a {
+            Action::Boot { count, .. } => *count,
+            _ => 0,
+        })
+        .sum()
+}
+
+fn deletes(p: &Plan) -> Vec<(String, DeleteCause)> {
+    p.actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Delete { name, cause, .. } => Some((name.clone(), *cause)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn asks(p: &Plan) -> Vec<String> {
+    p.actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::AskDelete { agent, .. } => Some(agent.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_boot_obstacle_holds_boots_but_not_deletes() {
+    let mut o = obs(vec![srv("e", NovaStatus::Error, 10.0, None)], 5, 0);
+    o.boot_obstacle = Some("server x is missing from the listings".into());
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 0);
+    assert_eq!(deletes(&p).len(), 1);
+    assert!(p
+        .held
+        .iter()
+        .any(|h| h.contains("missing from the listings")));
+}
+
+#[test]
+fn created_servers_not_listed_yet_count_as_booting() {
+    let mut o = obs(vec![], 3, 0);
+    o.unlisted_created = 2;
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!((p.booting, boots(&p)), (2, 1));
+    let p = plan(&o, &pool(0, 2, 1), T);
+    assert_eq!(boots(&p), 0, "max counts them");
+}
+
+#[test]
+fn queued_jobs_boot_vms_by_slots_up_to_max() {
+    let p = plan(&obs(vec![], 7, 0), &pool(0, 10, 2), T);
+    assert_eq!(p.target, 4);
+    assert_eq!(boots(&p), 4);
+    assert!(p.actions[0].reason().contains("7 queued"));
+    let p = plan(&obs(vec![], 100, 0), &pool(0, 3, 1), T);
+    assert_eq!(boots(&p), 3);
+}
+
+#[test]
+fn min_is_kept_without_demand() {
+    let p = plan(&obs(vec![], 0, 0), &pool(2, 5, 1), T);
+    assert_eq!(boots(&p), 2);
+}
+
+#[test]
+fn booting_servers_count_so_a_rerun_boots_nothing_more() {
+    let s = vec![
+        srv("a", NovaStatus::Build, 5.0, None),
+        srv("b", NovaStatus::Active, 50.0, None),
+    ];
+    let p = plan(&obs(s, 2, 0), &pool(0, 10, 1), T);
+    assert_eq!(p.booting, 2);
+    assert!(p.actions.is_empty(), "{:?}", p.actions);
+}
+
+#[test]
+fn quota_limits_boots() {
+    let mut o = obs(vec![], 10, 0);
+    o.quota_remaining = Some(3);
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 3);
+    assert!(p.held.iter().any(|h| h.contains("quota")));
+}
+
+#[test]
+fn a_failed_boot_holds_boots_for_the_cooldown() {
+    let mut o = obs(vec![], 10, 0);
+    o.since_boot_failure_secs = Some(5.0);
+    assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 0);
+    o.since_boot_failure_secs = Some(31.0);
+    assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 10);
+}
+
+#[test]
+fn error_and_stuck_and_black_hole_servers_are_deleted_and_replaced() {
+    let s = vec![
+        srv("err", NovaStatus::Error, 10.0, None),
+        srv("stuck", NovaStatus::Build, 700.0, None),
+        srv("hole", NovaStatus::Active, 700.0, None),
+    ];
+    let p = plan(&obs(s, 3, 0), &pool(0, 3, 1), T);
+    let d = deletes(&p);
+    assert_eq!(
+        d,
+        vec![
+            ("err".into(), DeleteCause::Error),
+            ("stuck".into(), DeleteCause::StuckBuild),
+            ("hole".into(), DeleteCause::BlackHole)
+        ]
+    );
+    assert_eq!(boots(&p), 3, "replacements fit under max once deleted");
+}
+
+#[test]
+fn nothing_is_judged_dead_before_the_controller_listened_a_heartbeat_timeout() {
+    let s = vec![
+        srv("hole", NovaStatus::Active, 700.0, None),
+        srv(
+            "dead",
+            NovaStatus::Active,
+            700.0,
+            Some(agent(1, 0.0, 120.0)),
+        ),
+    ];
+    let mut o = obs(s, 0, 0);
+    o.listening_secs = 30.0;
+    let p = plan(&o, &pool(0, 3, 1), T);
+    assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+    assert_eq!(p.classes, vec![Class::Unknown, Class::Unknown]);
+    o.listening_secs = 61.0;
+    let p = plan(&o, &pool(0, 3, 1), T);
+    assert_eq!(
+        deletes(&p),
+        vec![
+            ("hole".into(), DeleteCause::BlackHole),
+            ("dead".into(), DeleteCause::Dead)
+        ]
+    );
+    assert!(p
+        .actions
+        .iter()
+        .any(|a| a.reason().contains("1 running job")));
+}
+
+#[test]
+fn idle_agents_are_asked_busy_ones_never() {
+    let s = vec![
+        srv("busy", NovaStatus::Active, 900.0, Some(agent(1, 0.0, 2.0))),
+        srv(
+            "idle-long",
+            NovaStatus::Active,
+            900.0,
+            Some(agent(0, 500.0, 2.0)),
+        ),
+        srv(
+            "idle-short",
+            NovaStatus::Active,
+            900.0,
+            Some(agent(0, 10.0, 2.0)),
+        ),
+        srv(
+            "idle-mid",
+            NovaStatus::Active,
+            900.0,
+            Some(agent(0, 100.0, 2.0)),
+        ),
+    ];
+    let p = plan(&obs(s, 0, 1), &pool(0, 10, 1), T);
+    assert_eq!(p.target, 1);
+    assert_eq!(
+        asks(&p),
+        vec!["idle-long".to_string(), "idle-mid".to_string()]
+    );
+    assert!(deletes(&p).is_empty());
+}
+
+#[test]
+fn scale_down_respects_min_and_cooldown() {
+    let s = vec![
+        srv("a", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+        srv("b", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+    ];
+    let mut o = obs(s, 0, 0);
+    assert_eq!(asks(&plan(&o, &pool(1, 10, 1), T)).len(), 1);
+    o.since_scale_down_secs = Some(3.0);
+    assert!(asks(&plan(&o, &pool(1, 10, 1), T)).is_empty());
+}
+
+#[test]
+fn an_agreeing_agent_is_deleted_but_not_if_it_runs_a_job() {
+    let mut yes = agent(0, 500.0, 5.0);
+    yes.answer = Some(AnswerSeen {
+        age_secs: 1.0,
+        may_delete: true,
+        running: 0,
+        matched: true,
+    });
+    let mut no = agent(1, 0.0, 5.0);
+    no.answer = Some(AnswerSeen {
+        age_secs: 1.0,
+        may_delete: false,
+        running: 1,
+        matched: true,
+    });
+    let mut del_but_busy = agent(1, 0.0, 1.0);
+    del_but_busy.is_del = true;
+    let s = vec![
+        srv("yes", NovaStatus::Active, 900.0, Some(yes)),
+        srv("no", NovaStatus::Active, 900.0, Some(no)),
+        srv("odd", NovaStatus::Active, 900.0, Some(del_but_busy)),
+    ];
+    let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+    assert_eq!(deletes(&p), vec![("yes".into(), DeleteCause::Agreed)]);
+}
+
+fn yes(matched: bool, age_secs: f64) -> Option<AnswerSeen> {
+    Some(AnswerSeen {
+        age_secs,
+        may_delete: true,
+        running: 0,
+        matched,
+    })
+}
+
+#[test]
+fn only_a_yes_matched_to_our_request_id_deletes() {
+    // A yes to a request this controller never sent (forged, or from
+    // before a restart) deletes nothing.
+    let mut stranger = agent(0, 500.0, 5.0);
+    stranger.answer = yes(false, 1.0);
+    let p = plan(
+        &obs(
+            vec![srv("a", NovaStatus::Active, 900.0, Some(stranger.clone()))],
+            5,
+            0,
+        ),
+        &pool(0, 10, 1),
+        T,
+    );
+    assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+    // The same with a matching request id is deleted.
+    stranger.answer = yes(true, 1.0);
+    let p = plan(
+        &obs(
+            vec![srv("a", NovaStatus::Active, 900.0, Some(stranger))],
+            5,
+            0,
+        ),
+        &pool(0, 10, 1),
+        T,
+    );
+    assert_eq!(deletes(&p), vec![("a".into(), DeleteCause::Agreed)]);
+}
+
+#[test]
+fn is_del_alone_is_not_enough_the_agent_is_asked_again() {
+    // After a controller restart: the heartbeat says is_del, but no
+    // matching answer is known.
+    let mut del = agent(0, 500.0, 2.0);
+    del.is_del = true;
+    del.state = AgentState::Drained;
+    let mut drained = agent(0, 500.0, 2.0);
+    drained.state = AgentState::Drained;
+    let mut del_busy = agent(1, 0.0, 2.0);
+    del_busy.is_del = true;
+    del_busy.state = AgentState::Draining;
+    let s = vec![
+        srv("del", NovaStatus::Active, 900.0, Some(del.clone())),
+        srv("drained", NovaStatus::Active, 900.0, Some(drained)),
+        srv("busy", NovaStatus::Active, 900.0, Some(del_busy)),
+    ];
+    let p = plan(&obs(s, 0, 1), &pool(0, 10, 1), T);
+    assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+    assert_eq!(asks(&p), vec!["del".to_string(), "drained".to_string()]);
+    assert!(p.actions[0].reason().contains("no matching yes"));
+    // Its fresh yes, matched, arrives (older than the next heartbeat,
+    // which still says is_del): deleted.
+    del.answer = yes(true, 4.0);
+    let p = plan(
+        &obs(
+            vec![srv("del", NovaStatus::Active, 900.0, Some(del.clone()))],
+            0,
+            0,
+        ),
+        &pool(0, 10, 1),
+        T,
+    );
+    assert_eq!(deletes(&p), vec![("del".into(), DeleteCause::Agreed)]);
+    assert!(asks(&p).is_empty());
+    // A later heartbeat showing a job running wins over the yes.
+    del.running = 1;
+    let p = plan(
+        &obs(vec![srv("del", NovaStatus::Active, 900.0, Some(del))], 0, 1),
+        &pool(0, 10, 1),
+        T,
+    );
+    assert!(deletes(&p).is_empty(), "{:?}", p.actions);
+}
+
+#[test]
+fn a_dead_agent_is_deleted_without_any_answer() {
+    let s = vec![srv(
+        "gone",
+        NovaStatus::Active,
+        900.0,
+        Some(agent(0, 0.0, 120.0)),
+    )];
+    let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+    assert_eq!(deletes(&p), vec![("gone".into(), DeleteCause::Dead)]);
+}
+
+// ------------------------------------------------------------ properties
+
+fn arb_agent() -> impl Strategy<Value = AgentSeen> {
+    (
+        0u32..3,
+        0.0f64..1000.0,
+        0.0f64..200.0,
+        any::<bool>(),
+        0u8..4,
+        proptest::option::of((0.0f64..200.0, any::<bool>(), 0u32..2, any::<bool>())),
+    )
+        .prop_map(|(running, idle, age, is_del, st, ans)| AgentSeen {
+            heartbeat_age_secs: age,
+            state: match st {
+                0 => AgentState::Idle,
+                1 => AgentState::Busy,
+                2 => AgentState::Draining,
+                _ => AgentState::Drained,
+            },
+            running,
+            is_del,
+            idle_secs: idle,
+            answer: ans.map(|(a, m, r, matched)| AnswerSeen {
+                age_secs: a,
+                may_delete: m,
+                running: r,
+                matched,
+            }),
+        })
+}
+
+fn arb_server() -> impl Strategy<Value = ObservedServer> {
+    (
+        0u8..6,
+        0.0f64..2000.0,
+        proptest::option::of(arb_agent()),
+        "[a-z]{6}",
+    )
+        .prop_map(|(st, age, agent, name)| ObservedServer {
+            id: format!("id-{name}"),
+            name,
+            status: match st {
+                0 => NovaStatus::Build,
+                1 | 2 => NovaStatus::Active,
+                3 => NovaStatus::Error,
+                4 => NovaStatus::Deleting,
+                _ => NovaStatus::Other("SHUTOFF".into()),
+            },
+            age_secs: Some(age),
+            agent,
+        })
+}
+
+fn arb_case() -> impl Strategy<Value = (Observed, PoolConfig)> {
+    (
+        proptest::collection::vec(arb_server(), 0..12),
+        0u64..40,
+        0u64..10,
+        proptest::option::of(0u32..10),
+        0.0f64..200.0,
+        (0u32..4, 0u32..12, 1u32..4),
+    )
+        .prop_map(
+            |(mut servers, queued, running, quota, listening, (min, extra, slots))| {
+                for (i, s) in servers.iter_mut().enumerate() {
+                    s.name = format!("{}{i}", s.name);
+                    s.id = format!("id-{}", s.name);
+                }
+                let mut o = obs(servers, queued, running);
+                o.quota_remaining = quota;
+                o.listening_secs = listening;
+                (o, pool(min, min + extra, slots))
+            },
+        )
+}
+
+proptest! {
+    #[test]
+    fn never_boots_above_max_or_quota((o, p) in arb_case()) {
+        let pl = plan(&o, &p, T);
+        let b = boots(&pl);
+        let deleted = deletes(&pl).len() as u32;
+        let vanishing = pl.classes.iter().filter(|c| **c == Class::Vanishing).count() as u32;
+        let kept = o.servers.len() as u32 - deleted - vanishing;
+        prop_assert!(b == 0 || kept + b <= p.max, "kept {kept} + boots {b} > max {}", p.max);
+        if let Some(q) = o.quota_remaining {
+            prop_assert!(b <= q);
+        }
+        prop_assert!(pl.target >= p.min && pl.target <= p.max);
+    }
+
+    #[test]
+    fn never_deletes_or_asks_a_live_busy_agent((o, p) in arb_case()) {
+        let pl = plan(&o, &p, T);
+        for a in &pl.actions {
+            let id = match a {
+                Action::Delete { server_id, .. } | Action::AskDelete { server_id, .. } => server_id,
+                Action::Boot { .. } => continue,
+            };
+            let s = o.servers.iter().find(|s| &s.id == id).unwrap();
+            if let Some(ag) = &s.agent {
+                let live = ag.heartbeat_age_secs <= T.heartbeat_timeout_secs;
+                if live && s.status != NovaStatus::Error {
+                    prop_assert_eq!(ag.running, 0, "{:?} on busy {:?}", a, s);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn agreed_deletions_need_a_matched_yes((o, p) in arb_case()) {
+        let pl = plan(&o, &p, T);
+        for a in &pl.actions {
+            if let Action::Delete { server_id, cause: DeleteCause::Agreed, .. } = a {
+                let s = o.servers.iter().find(|s| &s.id == server_id).unwrap();
+                let ans = s.agent.as_ref().and_then(|a| a.answer.as_ref());
+                prop_assert!(
+                    ans.is_some_and(|ans| ans.matched && ans.may_delete),
+                    "{:?} without a matched yes: {:?}", a, s
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn nothing_is_deleted_as_dead_or_missing_before_listening_a_timeout((o, p) in arb_case()) {
+        let pl = plan(&o, &p, T);
+        if o.listening_secs < T.heartbeat_timeout_secs {
+            for (_, cause) in deletes(&pl) {
+                prop_assert!(!matches!(cause, DeleteCause::Dead | DeleteCause::BlackHole));
+            }
+        }
+    }
+
+    #[test]
+    fn applying_plans_converges_to_the_target(
+        (o, p) in arb_case(),
+    ) {
+        // Simulated world: boots become booting servers, then idle agents;
+        // ask-delete makes an agent agree; deletes remove servers. Jobs
+        // keep running on busy agents. Cooldowns and idle time are off.
+        let mut p = p;
+        p.cooldown_secs = 0;
+        p.idle_secs = 0;
+        let mut o = o;
+        o.quota_remaining = None;
+        o.listening_secs = 1000.0;
+        let mut next_id = 0;
+        for _ in 0..8 {
+            let pl = plan(&o, &p, T);
+            // Agents: booting servers come up.
+            for s in o.servers.iter_mut() {
+                if s.agent.is_none()
+                    && !matches!(s.status, NovaStatus::Error | NovaStatus::Deleting)
+                {
+                    s.status = NovaStatus::Active;
+                    s.agent = Some(agent(0, 0.0, 1.0));
+                }
+            }
+            for a in pl.actions {
+                match a {
+                    Action::Boot { count, .. } => {
+                        for _ in 0..count {
+                            next_id += 1;
+                            o.servers.push(srv(&format!("new{next_id}"), NovaStatus::Build, 0.0, None));
+                        }
+                    }
+                    Action::AskDelete { server_id, .. } => {
+                        let s = o.servers.iter_mut().find(|s| s.id == server_id).unwrap();
+                        let ag = s.agent.as_mut().unwrap();
+                        if ag.running == 0 {
+                            ag.is_del = true;
+                            ag.state = AgentState::Drained;
+                            ag.answer = Some(AnswerSeen {
+                                age_secs: 0.0,
+                                may_delete: true,
+                                running: 0,
+                                matched: true,
+                            });
+                        }
+                    }
+                    Action::Delete { server_id, .. } => {
+                        o.servers.retain(|s| s.id != server_id);
+                    }
+                }
+            }
+            // Nova finishes deletions.
+            o.servers.retain(|s| s.status != NovaStatus::Deleting);
+        }
+        let pl = plan(&o, &p, T);
+        // A fixed point: nothing left to do, and the pool is at its
+        // target unless max (counting draining VMs) or busy agents
+        // prevent it.
+        prop_assert!(pl.actions.is_empty(), "not converged: {:?}", pl.actions);
+        let have = pl.active + pl.booting;
+        let idle = pl.classes.iter().filter(|c| **c == Class::Idle).count();
+        if have < pl.target {
+            prop_assert!(o.servers.len() as u32 >= p.max, "below target with room: {:?}", pl.classes);
+        } else if have > pl.target {
+            prop_assert_eq!(idle, 0, "above target with idle agents: {:?}", pl.classes);
+        }
+    }
+}
