@@ -29,9 +29,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
 use tokio::sync::watch;
@@ -422,29 +420,11 @@ async fn lease_queue_exists(conn: &Connection, queue: &str) -> Result<bool, Agen
             .map_err(AmqpError::op("channel.open"))
     })
     .await?;
-    let r = bounded("probe lease queue", OP_TIMEOUT, async {
-        Ok(ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await)
-    })
-    .await?;
-    match r {
-        Ok(_) => {
-            let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "probed".into())).await;
-            Ok(true)
-        }
-        Err(e) if vq_common::amqp::lapin_reply_code(&e) == Some(vq_common::amqp::NOT_FOUND) => {
-            Ok(false)
-        }
-        Err(e) => Err(AmqpError::op("probe lease queue")(e).into()),
+    let exists = vq_common::amqp::queue_exists(&ch, queue, "probe lease queue").await?;
+    if exists {
+        let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "probed".into())).await;
     }
+    Ok(exists)
 }
 
 fn pool_header(pool: &str) -> FieldTable {
