@@ -14,9 +14,11 @@
 //!   feature `amqp` parsed with rustls, and the connection's TLS built);
 //! * `amqp` (feature `amqp`): connect, declare, publish with a confirm,
 //!   subscribe; `amqp::envelope`: lease-copy and dead-letter properties,
-//!   the job id of a delivery.
+//!   the job id of a delivery;
+//! * `logging` (feature `logging`): the daemons' log set-up,
+//!   `--log-format text|json`.
 //!
-//! Everything but `amqp` is pure: no I/O beyond reading a named config file
+//! Everything but `amqp` and `logging` is pure: no I/O beyond reading a named config file
 //! and the TLS files it names (and the random jitter of a backoff).
 
 #![forbid(unsafe_code)]
@@ -33,5 +35,8 @@ pub mod topology;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+
+#[cfg(feature = "logging")]
+pub mod logging;
 
 pub use error::ConfigError;

@@ -31,6 +31,10 @@ struct Args {
     /// connection); then it exits anyway. A second signal exits at once.
     #[arg(long, value_name = "SECS", default_value_t = SHUTDOWN_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     shutdown_grace_secs: u64,
+    /// Log format on stderr: `text` (default) or `json` (one object per
+    /// line, fields such as pool and server ids as JSON keys).
+    #[arg(long, value_name = "FORMAT", default_value_t = vq_common::logging::LogFormat::Text)]
+    log_format: vq_common::logging::LogFormat,
     /// Packaging: write the man page `vq-controller.8` into DIR and exit.
     #[arg(long, hide = true, value_name = "DIR")]
     generate_man: Option<PathBuf>,
@@ -113,15 +117,7 @@ fn main() -> ExitCode {
     if let Some(pp) = &args.print_permissions {
         return print_permissions(pp);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: journald and log files get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    vq_common::logging::init(args.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let (cfg, creds) = match load_config(&args.config, &|k| std::env::var(k).ok()) {

@@ -158,7 +158,7 @@ pub(crate) async fn handle_delivery(
     jobs_ch: Channel,
 ) {
     let NewClaim { key, cancel, claim } = claimed;
-    let span = tracing::info_span!("job", pool = %ctx.cfg.pool, job_id = %key);
+    let span = tracing::info_span!("job", pool = %ctx.cfg.pool, agent = %ctx.agent, job_id = %key);
     async move {
         // The broker validated `user_id`; a requeuer (the controller
         // returning a lost node's job) is judged by the original submitter.
@@ -417,7 +417,7 @@ async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
     // Published while the job runs: a broker outage must not delay the job.
     let started_pub = {
         let reporter = ctx.reporter.clone();
-        tokio::spawn(async move { reporter.started(&started_event).await })
+        tokio::spawn(async move { reporter.started(&started_event).await }.in_current_span())
     };
     info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), attempt, "job starting");
     let (outcome, usage) = execute(ctx, &t.key, &plan, t.cancel.clone()).await;
@@ -552,7 +552,8 @@ async fn recover_one(
     key: &str,
     claim: &str,
 ) -> Result<(), AmqpError> {
-    let span = tracing::info_span!("recover", pool = %ctx.cfg.pool, job_id = %key);
+    let span =
+        tracing::info_span!("recover", pool = %ctx.cfg.pool, agent = %ctx.agent, job_id = %key);
     async move {
         if let Some(st) = ctx.outbox.load(key) {
             if !st.sent {

@@ -10,6 +10,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, warn};
 use vq_common::config::EXIT_CONFIG;
 use vq_common::error::chain;
+use vq_common::logging::LogFormat;
 use vq_jobagent::settings::{identity_path, load_settings, DEFAULT_CONFIG};
 use vq_jobagent::{run, Ended, Shutdown, EXIT_NOPERM};
 
@@ -34,6 +35,10 @@ struct Args {
     /// Seconds running jobs may take to finish after the first SIGTERM.
     #[arg(long, default_value_t = 60)]
     drain_grace_secs: u64,
+    /// Log format on stderr: `text` (default) or `json` (one object per
+    /// line; a job's lines carry pool, agent and job_id in `span`).
+    #[arg(long, value_name = "FORMAT", default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     /// Packaging: write the man page `jobagent.8` into DIR and exit.
     #[arg(long, hide = true, value_name = "DIR")]
     generate_man: Option<PathBuf>,
@@ -67,16 +72,9 @@ fn generate_man(dir: &std::path::Path) -> ExitCode {
 
 fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: journald and log files get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let args = Args::parse();
+    vq_common::logging::init(args.log_format);
+    let json = args.log_format == LogFormat::Json;
     if let Some(dir) = &args.generate_man {
         return generate_man(dir);
     }
@@ -92,7 +90,12 @@ fn main() -> ExitCode {
     ) {
         Ok(cfg) => cfg,
         Err(e) => {
-            eprintln!("jobagent: {}", chain(&e));
+            if json {
+                // Every stderr line a log collector reads must be JSON.
+                error!(error = %chain(&e), "invalid configuration");
+            } else {
+                eprintln!("jobagent: {}", chain(&e));
+            }
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
@@ -104,10 +107,17 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if !nix::unistd::geteuid().is_root() {
-        eprintln!(
-            "jobagent: must run as root (it switches to each job's owner); effective uid is {}",
-            nix::unistd::geteuid()
-        );
+        let uid = nix::unistd::geteuid();
+        if json {
+            error!(
+                uid = uid.as_raw(),
+                "must run as root (it switches to each job's owner)"
+            );
+        } else {
+            eprintln!(
+                "jobagent: must run as root (it switches to each job's owner); effective uid is {uid}"
+            );
+        }
         return ExitCode::from(EXIT_NOPERM as u8);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
