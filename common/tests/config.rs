@@ -80,6 +80,7 @@ cgroups = "yes"
 job_memory_max_bytes = "1G"
 job_cpu_max = "two"
 job_pids_max = "many"
+metrics_listen = 9101
 [broker]
 url = 5
 ca_file = 6
@@ -121,6 +122,7 @@ requeuers = 9
         "job_memory_max_bytes",
         "job_cpu_max",
         "job_pids_max",
+        "metrics_listen",
         "broker.url",
         "broker.ca_file",
         "broker.cert_file",

@@ -7,7 +7,7 @@ use tokio::sync::watch;
 use vq_common::config::AgentConfig;
 use vq_common::topology::Topology;
 
-use crate::{claim, lease, report, state, sys};
+use crate::{claim, lease, metrics, report, state, sys};
 
 /// Everything the agent's tasks share.
 #[derive(Debug)]
@@ -42,4 +42,6 @@ pub(crate) struct Ctx {
     /// the session ends, and the next one declares the queue again and
     /// registers again.
     pub(crate) lease_queue_gone: std::sync::atomic::AtomicBool,
+    /// What `/metrics` serves (counted whether it is served or not).
+    pub(crate) metrics: metrics::Metrics,
 }

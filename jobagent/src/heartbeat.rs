@@ -57,7 +57,7 @@ pub(crate) async fn heartbeat_loop(ctx: Arc<Ctx>, stop: CancellationToken) {
             continue;
         }
         let hb = heartbeat(&ctx);
-        if let Err(e) = ctx
+        match ctx
             .publisher
             .publish_once(
                 &exchange,
@@ -67,7 +67,8 @@ pub(crate) async fn heartbeat_loop(ctx: Arc<Ctx>, stop: CancellationToken) {
             )
             .await
         {
-            debug!(error = %chain(&e), "heartbeat not published");
+            Ok(()) => ctx.metrics.heartbeat_sent(hb.at),
+            Err(e) => debug!(error = %chain(&e), "heartbeat not published"),
         }
     }
 }

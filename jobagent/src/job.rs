@@ -58,6 +58,7 @@ use vq_common::topology::{job_event_key, CLAIM_HEADER, LOSSES_HEADER};
 use crate::ctx::Ctx;
 use crate::error::{chain, Rejection};
 use crate::lease::{ack_lease, requeue_acker, sync};
+use crate::metrics::JobOutcome;
 use crate::plan::{plan_job_async, LaunchPlan};
 use crate::report::{
     header_str, header_u32, with_header_str, with_header_u32, DeadLetter, SUBMITTER_HEADER,
@@ -378,6 +379,7 @@ pub(crate) async fn refuse(
     };
     ctx.reporter.failed(key, dead, &event).await;
     ctx.outbox.remove(key);
+    ctx.metrics.job_ended(JobOutcome::Refused);
 }
 
 /// Releases a job whose result is confirmed: removes its lease copy, then
@@ -444,7 +446,9 @@ async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
             },
         );
         ctx.reporter.failed(&t.key, t.dead_letter(reason), &e).await;
+        ctx.metrics.job_ended(JobOutcome::DeadLettered);
     } else {
+        ctx.metrics.job_ended(JobOutcome::from(&outcome));
         let e = t.event(ctx, JobState::Finished { outcome, usage });
         ctx.reporter.finished(&t.key, &e).await;
     }
@@ -460,9 +464,13 @@ async fn execute(
     cancel: CancellationToken,
 ) -> (Outcome, Usage) {
     let started = Instant::now();
-    crate::supervise::run_job(plan.clone(), started, cancel, |pid| {
-        ctx.shared.set_pid(key, pid)
-    })
+    crate::supervise::run_job(
+        plan.clone(),
+        started,
+        cancel,
+        ctx.metrics.output_bytes.clone(),
+        |pid| ctx.shared.set_pid(key, pid),
+    )
     .await
 }
 
@@ -620,7 +628,9 @@ async fn fail_leftover(
             event_properties(&event),
         )
         .await?;
-    ack_lease(d).await
+    ack_lease(d).await?;
+    ctx.metrics.job_ended(JobOutcome::DeadLettered);
+    Ok(())
 }
 
 /// A leftover lease of a rerunnable job within the loss limit: a fresh

@@ -13,7 +13,7 @@
 //! [`state::Mode`]), `ctx` (what the tasks share), `session` (broker
 //! session and control), `job` (one job from claim to release, and the
 //! recovery of leftover leases), `lease` (lease-queue operations only),
-//! `heartbeat`.
+//! `heartbeat`, [`metrics`] (`/metrics` on `metrics_listen`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +30,7 @@ pub mod error;
 mod heartbeat;
 mod job;
 mod lease;
+pub mod metrics;
 pub mod nss;
 pub mod output;
 pub mod plan;
@@ -130,6 +131,7 @@ pub async fn run(
         sys: sys::HostSys,
         registered: std::sync::atomic::AtomicBool::new(false),
         lease_queue_gone: std::sync::atomic::AtomicBool::new(false),
+        metrics: metrics::Metrics::new(cfg.slots),
         cfg,
     });
     info!(pool = %ctx.cfg.pool, agent = %ctx.agent, cluster = %ctx.cfg.cluster, slots = ctx.cfg.slots,
@@ -148,6 +150,13 @@ pub async fn run(
     ));
     let hb_task = tokio::spawn(heartbeat::heartbeat_loop(ctx.clone(), stop.clone()));
     let refresh_task = tokio::spawn(refresh_markers(ctx.clone(), stop.clone()));
+    // Validated by `AgentConfig::validate`; empty = off.
+    let metrics_task = ctx
+        .cfg
+        .metrics_listen
+        .parse()
+        .ok()
+        .map(|addr| tokio::spawn(metrics::serve(ctx.clone(), addr, stop.clone())));
 
     tokio::select! {
         _ = shutdown.drain.cancelled() => {}
@@ -185,6 +194,9 @@ pub async fn run(
     let _ = tokio::time::timeout(Duration::from_secs(10), conn_task).await;
     hb_task.abort();
     refresh_task.abort();
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
     Ok(ended)
 }
 

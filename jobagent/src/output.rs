@@ -24,6 +24,7 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::fcntl::{splice, SpliceFFlags};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use prometheus_client::metrics::counter::Counter;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -61,7 +62,9 @@ enum Sink<'a> {
 /// own thread.
 ///
 /// A failed write to the file (e.g. `ENOSPC`, the owner's quota) is logged
-/// once and the rest is dropped; the job is not stopped for it.
+/// once and the rest is dropped; the job is not stopped for it. Bytes
+/// written into the file are added to `counted` as they are written (the
+/// agent's `vq_agent_output_bytes_written_total`).
 ///
 /// # Errors
 /// A failing `poll` or `read` of the pipe (the copier then stops and the
@@ -72,6 +75,7 @@ pub fn copy_capped(
     cap: u64,
     stop: &OwnedFd,
     over: &CancellationToken,
+    counted: &Counter,
 ) -> std::io::Result<Copied> {
     let mut sink = file.map_or(Sink::Discard, Sink::Splice);
     let mut buf = vec![0u8; CHUNK];
@@ -120,7 +124,10 @@ pub fn copy_capped(
             Sink::Splice(fd) => {
                 match splice(pipe, None, fd, None, room, SpliceFFlags::SPLICE_F_NONBLOCK) {
                     Ok(0) => break,
-                    Ok(n) => written += n as u64,
+                    Ok(n) => {
+                        written += n as u64;
+                        counted.inc_by(n as u64);
+                    }
                     Err(Errno::EINTR | Errno::EAGAIN) => {}
                     Err(Errno::EINVAL | Errno::ENOSYS) => sink = Sink::Write(fd),
                     Err(e) => {
@@ -132,7 +139,10 @@ pub fn copy_capped(
             Sink::Write(fd) => match nix::unistd::read(pipe, &mut buf[..room]) {
                 Ok(0) => break,
                 Ok(n) => match write_all(fd, &buf[..n]) {
-                    Ok(()) => written += n as u64,
+                    Ok(()) => {
+                        written += n as u64;
+                        counted.inc_by(n as u64);
+                    }
                     Err(e) => {
                         warn!(error = %e, "cannot write the job's output file; the rest of this stream is dropped");
                         sink = Sink::Discard;
@@ -183,7 +193,9 @@ mod tests {
         let fd = OwnedFd::from(file.try_clone().unwrap());
         let (stop_rd, _stop_wr) = nix::unistd::pipe().unwrap();
         let over = CancellationToken::new();
-        let copied = copy_capped(&rd, Some(&fd), cap, &stop_rd, &over).unwrap();
+        let counted = Counter::default();
+        let copied = copy_capped(&rd, Some(&fd), cap, &stop_rd, &over, &counted).unwrap();
+        assert_eq!(counted.get(), copied.bytes, "every byte written is counted");
         writer.join().unwrap();
         let mut out = Vec::new();
         file.rewind().unwrap();
@@ -220,7 +232,15 @@ mod tests {
         let (rd, _wr_kept_open) = nix::unistd::pipe().unwrap();
         let (stop_rd, stop_wr) = nix::unistd::pipe().unwrap();
         let t = std::thread::spawn(move || {
-            copy_capped(&rd, None, 0, &stop_rd, &CancellationToken::new()).unwrap()
+            copy_capped(
+                &rd,
+                None,
+                0,
+                &stop_rd,
+                &CancellationToken::new(),
+                &Counter::default(),
+            )
+            .unwrap()
         });
         drop(stop_wr);
         assert_eq!(t.join().unwrap().bytes, 0);

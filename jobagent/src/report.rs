@@ -54,6 +54,14 @@ impl Publisher {
         }
     }
 
+    /// True while the publishing channel to the broker is open.
+    pub fn is_connected(&self) -> bool {
+        self.channel
+            .borrow()
+            .as_ref()
+            .is_some_and(|c| c.status().connected())
+    }
+
     /// True while the broker blocks the publishing connection (resource
     /// alarm).
     pub fn is_blocked(&self) -> bool {

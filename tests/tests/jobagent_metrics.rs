@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use vq_common::topology::Role;
 use vq_tests::harness::{
-    broker_url, build_bin, ensure_test_user, job, require_root, unique_cluster, wait_agent_up,
-    AgentLaunch, TestBroker,
+    broker_url, build_bin, ensure_test_user, job, one_agent, require_root, unique_cluster,
+    wait_agent_up, AgentLaunch, TestBroker,
 };
 
 const POOL: &str = "batch";
@@ -116,5 +116,189 @@ async fn a_json_log_is_all_json_and_a_jobs_lines_carry_pool_agent_and_job_id() -
     let _ = std::fs::remove_file(alice.home.join(format!("jsonlog.o{}", j.seq())));
     let _ = std::fs::remove_file(alice.home.join(format!("jsonlog.e{}", j.seq())));
     broker.cleanup().await;
+    Ok(())
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The TCP ports process `pid` listens on: its socket inodes
+/// (`/proc/PID/fd`) matched with the LISTEN entries of `/proc/net/tcp{,6}`.
+fn listening_ports(pid: u32) -> anyhow::Result<Vec<u16>> {
+    let mut inodes = Vec::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(target) = std::fs::read_link(fd?.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy().into_owned();
+        if let Some(inode) = target
+            .strip_prefix("socket:[")
+            .and_then(|t| t.strip_suffix(']'))
+        {
+            inodes.push(inode.to_string());
+        }
+    }
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // local_address = 1, st = 3 (0A = LISTEN), inode = 9.
+            if cols.len() > 9 && cols[3] == "0A" && inodes.iter().any(|i| i == cols[9]) {
+                let port = cols[1].rsplit(':').next().unwrap_or("0");
+                ports.push(u16::from_str_radix(port, 16)?);
+            }
+        }
+    }
+    Ok(ports)
+}
+
+/// `GET /metrics` on `port`: (status line, content type, body).
+async fn scrape(port: u16) -> anyhow::Result<(String, String, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let status = head.lines().next().unwrap_or_default().to_string();
+    let ctype = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-type: ")
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    Ok((status, ctype, body.to_string()))
+}
+
+/// The value of sample `name` (with its labels, as written) in `text`.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+    })
+}
+
+/// Scrapes `port` until `ok` holds for the text (the agent updates its
+/// state a moment after the event the test saw), at most 20 s.
+async fn scrape_until(port: u16, what: &str, ok: impl Fn(&str) -> bool) -> anyhow::Result<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let last = scrape(port).await.map(|(_, _, body)| body);
+        if let Ok(body) = &last {
+            if ok(body) {
+                return Ok(body.clone());
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("/metrics never showed {what}; last scrape: {last:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn metrics_listen_serves_slots_jobs_by_outcome_broker_and_heartbeats() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let mut s = one_agent(
+        POOL,
+        &format!("metrics_listen = \"127.0.0.1:{port}\"\n"),
+        &[],
+    )
+    .await?;
+    assert_eq!(listening_ports(s.agent.guard.id())?, vec![port]);
+    let (status, ctype, text) = scrape(port).await?;
+    assert!(status.contains(" 200 "), "{status}");
+    assert!(ctype.starts_with("application/openmetrics-text"), "{ctype}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    assert_eq!(sample(&text, "vq_agent_slots"), Some(1.0), "{text}");
+    assert_eq!(
+        sample(&text, "vq_agent_broker_connected"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "vq_agent_jobs_running"), Some(0.0), "{text}");
+    assert!(text.contains("vq_agent_build_info{version=\""), "{text}");
+    // The harness waited for a heartbeat: it is counted.
+    let text = scrape_until(port, "a heartbeat", |t| {
+        sample(t, "vq_agent_heartbeats_sent_total").unwrap_or(0.0) >= 1.0
+    })
+    .await?;
+    let last = sample(&text, "vq_agent_last_heartbeat_timestamp_seconds").unwrap_or(0.0);
+    assert!(last > 1.7e9, "{text}");
+
+    let j = job(POOL, &s.alice.name, "metered", "echo hello\n");
+    let refused = job(POOL, "root", "asroot", "id -u");
+    s.broker.publish_job(&j).await?;
+    s.broker.publish_job(&refused).await?;
+    let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+    assert_eq!(fin["outcome"]["kind"], "exited", "{fin}");
+    s.tap.job_event(&refused.id, "failed", EVENT_WAIT).await?;
+    let text = scrape_until(port, "the job released", |t| {
+        sample(t, "vq_agent_jobs_running") == Some(0.0)
+            && sample(t, "vq_agent_jobs_total{outcome=\"refused\"}") == Some(1.0)
+    })
+    .await?;
+    assert_eq!(
+        sample(&text, "vq_agent_jobs_total{outcome=\"exited\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    for outcome in [
+        "signaled",
+        "walltime",
+        "cancelled",
+        "output_limit",
+        "failed_to_start",
+        "dead_lettered",
+    ] {
+        assert_eq!(
+            sample(
+                &text,
+                &format!("vq_agent_jobs_total{{outcome=\"{outcome}\"}}")
+            ),
+            Some(0.0),
+            "{outcome}: {text}"
+        );
+    }
+    assert_eq!(
+        sample(&text, "vq_agent_output_bytes_written_total"),
+        Some("hello\n".len() as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "vq_agent_broker_connected"),
+        Some(1.0),
+        "{text}"
+    );
+    let _ = std::fs::remove_file(s.alice.home.join(format!("metered.o{}", j.seq())));
+    let _ = std::fs::remove_file(s.alice.home.join(format!("metered.e{}", j.seq())));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn without_metrics_listen_the_agent_listens_on_no_port() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let s = one_agent(POOL, "", &[]).await?;
+    assert_eq!(listening_ports(s.agent.guard.id())?, Vec::<u16>::new());
+    drop(s.agent);
+    s.broker.cleanup().await;
     Ok(())
 }

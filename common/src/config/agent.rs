@@ -159,6 +159,11 @@ pub struct AgentConfig {
     /// jobs and logins of the same owner included). Range
     /// 1..=[`MAX_JOB_PIDS`]; default 4096.
     pub job_pids_max: u64,
+    /// Address (`IP:port`) on which the agent serves its `/metrics`
+    /// (OpenMetrics text: slots, jobs running, jobs by outcome, broker
+    /// connected, heartbeats, output bytes), e.g. `127.0.0.1:9101`; empty
+    /// (the default) serves nothing.
+    pub metrics_listen: String,
 }
 
 /// Largest `job_pids_max`: the kernel's `PID_MAX_LIMIT` on 64-bit Linux.
@@ -194,6 +199,7 @@ impl Default for AgentConfig {
             job_memory_max_bytes: 0,
             job_cpu_max: 0.0,
             job_pids_max: 4096,
+            metrics_listen: String::new(),
         }
     }
 }
@@ -289,6 +295,14 @@ impl AgentConfig {
                 self.job_pids_max
             ));
         }
+        if !self.metrics_listen.is_empty()
+            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            p.push(format!(
+                "metrics_listen: {:?} is not an address like 127.0.0.1:9101 (empty = off)",
+                self.metrics_listen
+            ));
+        }
         if (self.job_memory_max_bytes != 0 || self.job_cpu_max != 0.0) && !self.cgroups {
             p.push("job_memory_max_bytes/job_cpu_max need cgroups = true".into());
         }
@@ -356,6 +370,33 @@ mod tests {
             let problems = c.validate().err().unwrap_or_default();
             assert_eq!(
                 !problems.iter().any(|p| p.starts_with("job_pids_max")),
+                ok,
+                "{v}: {problems:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn metrics_listen_is_off_by_default_and_a_bad_address_is_a_key_problem() {
+        let mut c = AgentConfig {
+            pool: "p".into(),
+            agent_id: "a".into(),
+            ..AgentConfig::default()
+        };
+        assert_eq!(c.metrics_listen, "");
+        assert_eq!(c.validate(), Ok(()));
+        for (v, ok) in [
+            ("127.0.0.1:9101", true),
+            ("[::1]:9101", true),
+            ("0.0.0.0:0", true),
+            ("localhost:9101", false),
+            ("127.0.0.1", false),
+            ("9101", false),
+        ] {
+            c.metrics_listen = v.into();
+            let problems = c.validate().err().unwrap_or_default();
+            assert_eq!(
+                !problems.iter().any(|p| p.starts_with("metrics_listen: ")),
                 ok,
                 "{v}: {problems:?}"
             );

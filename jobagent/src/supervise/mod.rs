@@ -64,6 +64,7 @@ use std::time::{Duration, Instant};
 use nix::fcntl::OFlag;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use prometheus_client::metrics::counter::Counter;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use vq_common::config::AgentConfig;
@@ -266,19 +267,25 @@ impl Outputs {
         })
     }
 
-    /// Starts one copier per stream, each on a blocking thread.
-    fn start(streams: Vec<OutputStream>, cap: u64, (stop_rd, stop_wr): (OwnedFd, OwnedFd)) -> Self {
+    /// Starts one copier per stream, each on a blocking thread, adding
+    /// the bytes written to `written`.
+    fn start(
+        streams: Vec<OutputStream>,
+        cap: u64,
+        (stop_rd, stop_wr): (OwnedFd, OwnedFd),
+        written: &Counter,
+    ) -> Self {
         let stop_rd = std::sync::Arc::new(stop_rd);
         let over = CancellationToken::new();
         let copiers = streams
             .into_iter()
             .map(|s| {
-                let (stop, over) = (stop_rd.clone(), over.clone());
+                let (stop, over, written) = (stop_rd.clone(), over.clone(), written.clone());
                 if s.file.is_none() {
                     warn!("the job's output file did not arrive; its output is dropped");
                 }
                 tokio::task::spawn_blocking(move || {
-                    output::copy_capped(&s.pipe, s.file.as_ref(), cap, &stop, &over)
+                    output::copy_capped(&s.pipe, s.file.as_ref(), cap, &stop, &over, &written)
                 })
             })
             .collect();
@@ -317,11 +324,13 @@ impl Outputs {
 /// [`crate::output`]), every process of the job gets SIGTERM, then SIGKILL
 /// `plan.kill_grace` later. Returns, once the output files are complete,
 /// the outcome and usage (wall time from `started` to the leader's end); a
-/// start failure is `Outcome::FailedToStart`.
+/// start failure is `Outcome::FailedToStart`. Every byte written into the
+/// output files is also added to `written` as it is written.
 pub async fn run_job(
     plan: LaunchPlan,
     started: Instant,
     cancel: CancellationToken,
+    written: Counter,
     on_start: impl FnOnce(Pid),
 ) -> (Outcome, Usage) {
     let failed = |e: &LaunchError| {
@@ -395,7 +404,7 @@ pub async fn run_job(
         }
     };
     let pid = spawned.pid;
-    let outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe);
+    let outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe, &written);
     on_start(pid);
     let mut record = Record {
         job_id: plan.job_id.clone(),
