@@ -7,7 +7,7 @@
 //! [`reconcile`], which then fences lost agents ([`fence`]) and publishes
 //! the outcome ([`status`], [`metrics`]); [`openstack`] talks to
 //! Keystone/Nova/Glance, [`broker`] to RabbitMQ (what it hears goes into
-//! the event book, [`events`]), and [`http`] serves `/healthz`, `/status`
+//! the event book, [`events`]), and [`http`] serves `/healthz`, `/readyz`, `/status`
 //! and `/metrics`.
 
 #![forbid(unsafe_code)]

@@ -26,7 +26,7 @@ use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
 use crate::openstack::{CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
-use crate::status::{self, PoolStatus, StatusReport};
+use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
 
 /// The shutdown deadline: how long after the first shutdown request the
 /// controller may take to stop (finish the cycle in flight, acting no
@@ -160,12 +160,23 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let b = self.backoff.get_mut(pool).expect("pool has a backoff");
         let delay = b.failed(now, next.at_least);
         let chain = err.chain();
+        let attempts = b.attempts();
         if next.permanent {
             tracing::error!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "permanent error; check the pool's configuration, the cloud and the broker account");
         } else {
             tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
         }
-        status::show_error(&self.status, pool, chain);
+        status::show_failure(
+            &self.status,
+            &self.metrics,
+            pool,
+            PoolFailure {
+                error: chain,
+                attempts,
+                permanent: next.permanent,
+                observed: matches!(err, CycleError::Act(_)),
+            },
+        );
     }
 
     /// Runs one cycle. With `shutdown` cancelled, observes and plans but
@@ -197,7 +208,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if ready.is_empty() {
             return summary;
         }
-        let world = match observe_world(
+        let world = observe_world(
             &self.cloud,
             &self.broker,
             &self.cfg.cluster,
@@ -206,11 +217,22 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             &self.metrics,
             &mut self.refusals,
         )
-        .await
-        {
+        .await;
+        let cloud_error = match &world {
+            Err(NoWorld::Failed(e @ ObserveError::Servers(_))) => Some(vq_common::error::chain(e)),
+            _ => None,
+        };
+        let reach = match &world {
+            Ok(_) => Reach::Both(None),
+            Err(NoWorld::Failed(ObserveError::Servers(_))) => Reach::Both(cloud_error.as_deref()),
+            Err(NoWorld::Failed(ObserveError::Broker(_))) => Reach::NoBroker,
+            Err(_) => Reach::Broker,
+        };
+        status::show_connections(&self.status, &self.metrics, reach);
+        let world = match world {
             Ok(w) => w,
             Err(NoWorld::Held(reason)) => {
-                status::show_held(&self.status, &ready, &reason);
+                status::show_held(&self.status, &self.metrics, &ready, &reason);
                 summary.held = ready;
                 return summary;
             }
@@ -229,7 +251,10 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                     self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
                 }
-                Turn::Planned => summary.ok.push(pool),
+                Turn::Planned => {
+                    status::show_success(&self.status, &pool);
+                    summary.ok.push(pool);
+                }
                 Turn::Acted {
                     created,
                     deleted,
@@ -245,6 +270,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                         }
                         None => {
                             self.backoff.get_mut(&pool).expect("pool").succeeded();
+                            status::show_success(&self.status, &pool);
                             summary.ok.push(pool);
                         }
                     }
@@ -446,7 +472,7 @@ pub async fn run(
             addr: listen.clone(),
             source,
         })?;
-    tracing::info!(listen = %listen, "serving /healthz, /status and /metrics");
+    tracing::info!(listen = %listen, "serving /healthz, /readyz, /status and /metrics");
     let http_stop = CancellationToken::new();
     let mut http = tokio::spawn(crate::http::serve(
         listener,
