@@ -27,5 +27,6 @@ pub mod plan;
 pub mod policy;
 pub mod reconcile;
 pub mod status;
+pub mod timings;
 
 pub use reconcile::run;

@@ -27,6 +27,7 @@ use crate::openstack::{CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
 use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
+use crate::timings::Timings;
 
 /// The shutdown deadline: how long after the first shutdown request the
 /// controller may take to stop (finish the cycle in flight, acting no
@@ -104,6 +105,8 @@ pub struct Controller<C, B> {
     registry_first_seen: BTreeMap<String, Instant>,
     /// The first ACCESS_REFUSED the broker gave in the running cycle.
     refusals: Refusals,
+    /// Boots and asks being timed for the histograms.
+    timings: Timings,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -136,10 +139,18 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             memory: PoolMemory::default(),
             registry_first_seen: BTreeMap::new(),
             refusals: Refusals::default(),
+            timings: Timings::default(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
         }
+    }
+
+    /// Publishes into `metrics` (shared with the cloud and broker clients)
+    /// instead of a registry of its own.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The cloud client.
@@ -246,7 +257,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         };
         let mut quota = world.quota_remaining;
         for pool in ready {
-            match self.pool_turn(&pool, &world, quota, shutdown).await {
+            let turn_started = Instant::now();
+            let turn = self.pool_turn(&pool, &world, quota, shutdown).await;
+            self.metrics
+                .reconcile_duration
+                .get_or_create(&Metrics::pool(&pool))
+                .observe(turn_started.elapsed().as_secs_f64());
+            match turn {
                 Turn::Unobserved(e) => {
                     self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
@@ -313,6 +330,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Ok(o) => o,
             Err(e) => return Turn::Unobserved(e),
         };
+        self.timings.observed(&self.metrics, &observed, now);
         match (
             &observed.boot_obstacle,
             status::has_obstacle(&self.status, name),
@@ -347,12 +365,17 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
             return Turn::Planned;
         }
+        let acting_since = Instant::now();
         let report = act(pool, &planned.actions, &self.cloud, &self.broker).await;
         let created_at = Instant::now();
         for (server, id) in &report.created {
             self.memory
                 .created_watch
                 .created(name, id, server, created_at);
+            self.timings.created(id, created_at);
+        }
+        for agent in &report.asked {
+            self.timings.asked(agent, acting_since);
         }
         status::count_actions(&self.metrics, name, &report);
         if !report.asked.is_empty() {
@@ -446,7 +469,10 @@ pub async fn run(
             Some(Microversion::parse(s).ok_or_else(|| RunError::Microversion { value: s.into() })?)
         }
     };
-    let cloud = HttpCloud::new(creds, microversion).map_err(RunError::HttpClient)?;
+    let metrics = Arc::new(Metrics::new());
+    let cloud = HttpCloud::new(creds, microversion)
+        .map_err(RunError::HttpClient)?
+        .with_metrics(metrics.clone());
     // A cloud older than vq needs would answer every request 406 (or, below
     // 2.52 requested, list nothing vq booted): refuse to start. A cloud
     // that cannot be read now is checked again when it answers 406.
@@ -462,10 +488,11 @@ pub async fn run(
         cfg.broker.clone(),
         Topology::new(cfg.cluster.clone()),
         cfg.pools.keys().cloned().collect(),
-    );
+    )
+    .with_metrics(metrics.clone());
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
-    let mut ctl = Controller::new(cfg, cloud, broker);
+    let mut ctl = Controller::new(cfg, cloud, broker).with_metrics(metrics);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|source| RunError::Listen {

@@ -68,9 +68,9 @@ use vq_common::messages::unix_now;
 
 use crate::act::ActReport;
 use crate::error::ActError;
-use crate::metrics::{Metrics, VM_STATES};
+use crate::metrics::{Metrics, AGENT_STATES, SLOT_STATES, VM_STATES};
 use crate::observe::{NovaStatus, Observed};
-use crate::plan::{Action, Class, Plan};
+use crate::plan::{Action, Class, DeleteCause, Plan};
 
 /// Number of decisions kept per pool in [`PoolStatus::last_decisions`].
 pub const DECISIONS_KEPT: usize = 20;
@@ -238,7 +238,17 @@ pub fn publish(
     let mut vms = VmCounts::default();
     let mut agents = AgentCounts::default();
     let mut servers = Vec::new();
+    let (mut slots, mut slots_used) = (0u32, 0u32);
     for (s, c) in observed.servers.iter().zip(&planned.classes) {
+        if matches!(
+            c,
+            Class::Idle | Class::Busy | Class::Draining | Class::Agreed
+        ) {
+            if let Some(a) = &s.agent {
+                slots += a.slots;
+                slots_used += a.running.min(a.slots);
+            }
+        }
         match c {
             Class::Booting | Class::Unknown => vms.booting += 1,
             Class::Idle => {
@@ -290,6 +300,22 @@ pub fn publish(
             .get_or_create(&Metrics::pool_and(pool, "state", state))
             .set(i64::from(n));
     }
+    for (state, n) in AGENT_STATES
+        .into_iter()
+        .zip([agents.idle, agents.busy, agents.draining])
+    {
+        m.pool_agents
+            .get_or_create(&Metrics::pool_and(pool, "state", state))
+            .set(i64::from(n));
+    }
+    for (state, n) in SLOT_STATES
+        .into_iter()
+        .zip([slots.saturating_sub(slots_used), slots_used])
+    {
+        m.pool_slots
+            .get_or_create(&Metrics::pool_and(pool, "state", state))
+            .set(i64::from(n));
+    }
     let mut st = write(status);
     st.generated_at = now;
     st.uptime_secs = started.elapsed().as_secs_f64();
@@ -321,7 +347,10 @@ pub fn publish(
 }
 
 /// Counts what one pool's act step did: servers created and deleted (by
-/// cause) and the failed cloud requests among its errors.
+/// cause), failed boots (`vq_boot_failures_total{reason}`: `create`,
+/// `resolve`, `user-data` when the boot action failed; `error`,
+/// `stuck-build`, `black-hole` when a server that never became a working
+/// agent was deleted) and the failed cloud requests among its errors.
 pub fn count_actions(metrics: &Metrics, pool: &str, report: &ActReport) {
     metrics
         .created
@@ -331,6 +360,28 @@ pub fn count_actions(metrics: &Metrics, pool: &str, report: &ActReport) {
         metrics
             .deleted
             .get_or_create(&Metrics::pool_and(pool, "reason", cause.label()))
+            .inc();
+        // A server that never became a working agent is a failed boot.
+        if matches!(
+            cause,
+            DeleteCause::Error | DeleteCause::StuckBuild | DeleteCause::BlackHole
+        ) {
+            metrics
+                .boot_failures
+                .get_or_create(&Metrics::pool_and(pool, "reason", cause.label()))
+                .inc();
+        }
+    }
+    for e in &report.errors {
+        let reason = match e {
+            ActError::Create { .. } => "create",
+            ActError::Resolve { .. } => "resolve",
+            ActError::UserData { .. } => "user-data",
+            _ => continue,
+        };
+        metrics
+            .boot_failures
+            .get_or_create(&Metrics::pool_and(pool, "reason", reason))
             .inc();
     }
     let cloud_errors = report
@@ -539,6 +590,11 @@ mod tests {
             "{text}"
         );
         assert!(
+            text.contains("vq_pool_agents{pool=\"cms\",state=\"idle\"} 0")
+                && text.contains("vq_pool_slots{pool=\"cms\",state=\"free\"} 0"),
+            "{text}"
+        );
+        assert!(
             text.contains("# TYPE vq_pool_last_success_timestamp_seconds gauge")
                 && text.contains("# UNIT vq_pool_last_success_timestamp_seconds seconds"),
             "{text}"
@@ -570,6 +626,8 @@ mod tests {
         assert!(!text.contains("vq_pool_running{"), "{text}");
         assert!(!text.contains("vq_pool_target_vms{"), "{text}");
         assert!(!text.contains("vq_pool_vms{"), "{text}");
+        assert!(!text.contains("vq_pool_agents{"), "{text}");
+        assert!(!text.contains("vq_pool_slots{"), "{text}");
         assert!(text.contains("vq_pool_observed{pool=\"cms\"} 0"), "{text}");
         assert_eq!(ts_line(&text), Some(before), "the last success is kept");
         let st = status.read().unwrap();

@@ -175,6 +175,11 @@ async fn an_unreachable_broker_makes_the_controller_unready_and_its_pool_values_
             && m.contains("vq_build_info{")
             && m.contains(&format!(
                 "vq_pool_last_success_timestamp_seconds{{pool=\"{pool}\"}}"
+            ))
+            && m.contains("vq_cloud_requests_total{op=\"list_servers\",status=\"200\"}")
+            && m.contains("vq_quota_used{resource=\"instances\"} 0")
+            && m.contains(&format!(
+                "vq_reconcile_duration_seconds_count{{pool=\"{pool}\"}}"
             )),
         "/metrics of a healthy controller:\n{m}"
     );
@@ -233,7 +238,9 @@ async fn an_unreachable_broker_makes_the_controller_unready_and_its_pool_values_
     )
     .await?;
     ensure!(
-        m.contains(&observed(1)) && m.contains("vq_broker_connected 1"),
+        m.contains(&observed(1))
+            && m.contains("vq_broker_connected 1")
+            && m.contains("vq_broker_reconnects_total 1"),
         "/metrics after the broker came back:\n{m}"
     );
 
