@@ -377,6 +377,7 @@ pub(crate) mod tests {
             at,
             attempt: 1,
             duplicate: None,
+            submission: None,
             state,
         }
     }

@@ -298,6 +298,17 @@ pub struct JobEvent {
     /// [`JobEvent::message_id`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duplicate: Option<String>,
+    /// The submission this event is about: the [`fingerprint`] of the job
+    /// message's body, the same in every copy of one submission (lease
+    /// copy, requeue, dead letter). A job id names one job from its
+    /// submission to its final result; once that job has ended, the id may
+    /// be submitted again (as Torque's ids wrap), which is a new job with
+    /// another `submission`. Consumers key jobs by `(job_id, submission)`;
+    /// part of the [`JobEvent::message_id`], so that deduplicating on it
+    /// never drops the result of a later submission. `None` when the body
+    /// is unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submission: Option<String>,
     /// What happened.
     #[serde(flatten)]
     pub state: JobState,
@@ -334,25 +345,40 @@ impl JobEvent {
             at: unix_now(),
             attempt: 1,
             duplicate: None,
+            submission: None,
             state,
         }
+    }
+
+    /// This event, naming the submission whose job message has `body`
+    /// ([`JobEvent::submission`]).
+    #[must_use]
+    pub fn of_submission(mut self, body: &[u8]) -> JobEvent {
+        self.submission = Some(fingerprint(body));
+        self
     }
 
     /// The event's stable AMQP `message_id`, the same for every
     /// retransmission of one state change, so consumers deduplicate on it
     /// (an unknown publish outcome is resolved by publishing again):
     ///
-    /// * `<job_id>.started.<attempt>`;
-    /// * `<job_id>.finished`, `<job_id>.cancelled`, `<job_id>.failed`: the
+    /// * `<job_id>.<submission>.started.<attempt>`;
+    /// * `<job_id>.<submission>.finished`, `….cancelled`, `….failed`: the
     ///   job's one final result;
     /// * `<job_id>.duplicate.<fingerprint>` for a [`JobEvent::duplicate`]
-    ///   report.
+    ///   report;
+    /// * without a [`JobEvent::submission`] (body unknown), the same
+    ///   without `.<submission>`.
     pub fn message_id(&self) -> String {
         let word = self.state.routing_word();
+        let job = match &self.submission {
+            Some(sub) => format!("{}.{sub}", self.job_id),
+            None => self.job_id.clone(),
+        };
         match (&self.duplicate, &self.state) {
             (Some(fp), _) => format!("{}.duplicate.{fp}", self.job_id),
-            (None, JobState::Started) => format!("{}.{word}.{}", self.job_id, self.attempt),
-            (None, _) => format!("{}.{word}", self.job_id),
+            (None, JobState::Started) => format!("{job}.{word}.{}", self.attempt),
+            (None, _) => format!("{job}.{word}"),
         }
     }
 }

@@ -38,6 +38,8 @@ fn every_fixture_survives_a_round_trip() {
     let rerun: JobEvent = round_trip("job-event-started-rerun.json");
     assert_eq!(rerun.attempt, 2);
     let dup: JobEvent = round_trip("job-event-duplicate.json");
+    let sub: JobEvent = round_trip("job-event-finished-submission.json");
+    assert_eq!(sub.submission.as_deref(), Some("5c1d7e9a0b3f2468"));
     assert!(dup.duplicate.is_some());
     round_trip::<Heartbeat>("heartbeat.json");
     round_trip::<Demand>("demand.json");
@@ -78,7 +80,33 @@ fn every_state_change_has_its_own_stable_message_id() {
     assert_eq!(ev("job-event-finished.json"), format!("{id}.finished"));
     assert_eq!(ev("job-event-failed.json"), "9e.failed");
     assert_eq!(
+        ev("job-event-finished-submission.json"),
+        format!("{id}.5c1d7e9a0b3f2468.finished")
+    );
+    assert_eq!(
         ev("job-event-duplicate.json"),
         format!("{id}.duplicate.8a3f0c5e2b917d44")
+    );
+}
+
+#[test]
+fn a_job_id_submitted_again_after_its_job_ended_gets_other_message_ids() {
+    let first = JobEvent::decode(&fixture("job-event-finished.json")).unwrap();
+    let started = |body: &[u8]| {
+        let mut e = first.clone().of_submission(body);
+        e.state = vq_common::messages::JobState::Started;
+        e.message_id()
+    };
+    let a = first.clone().of_submission(b"first submission");
+    let b = first.clone().of_submission(b"second submission");
+    assert_ne!(a.message_id(), b.message_id());
+    assert_ne!(started(b"first submission"), started(b"second submission"));
+    // Every copy of one submission names it alike.
+    assert_eq!(
+        a.message_id(),
+        first
+            .clone()
+            .of_submission(b"first submission")
+            .message_id()
     );
 }

@@ -91,7 +91,8 @@ pub fn broker_dead_letter_event(
         "",
         submitter.as_deref(),
         JobState::Failed { reason },
-    );
+    )
+    .of_submission(body);
     event.job_name = job_name;
     event.owner = owner;
     event.at = at;

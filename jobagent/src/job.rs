@@ -123,7 +123,8 @@ impl Ticket {
             &ctx.agent,
             self.submitter.as_deref(),
             state,
-        );
+        )
+        .of_submission(&self.body);
         e.attempt = self.losses.saturating_add(1);
         e
     }
@@ -370,7 +371,8 @@ pub(crate) async fn refuse(
         JobState::Failed {
             reason: reason.clone(),
         },
-    );
+    )
+    .of_submission(body);
     let dead = DeadLetter {
         body,
         props,
@@ -608,7 +610,8 @@ async fn fail_leftover(
         &ctx.agent,
         submitter.as_deref(),
         JobState::Failed { reason },
-    );
+    )
+    .of_submission(&d.data);
     event.attempt = losses;
     let rk = job_event_key(&ctx.cfg.pool, "failed");
     ctx.publisher
@@ -752,7 +755,8 @@ async fn handle_copy(
             &ctx.agent,
             submitter.as_deref(),
             JobState::Failed { reason },
-        );
+        )
+        .of_submission(&delivery.data);
         event.duplicate = Some(fingerprint(&delivery.data));
         ctx.reporter.notice(&event).await;
     }

@@ -134,6 +134,7 @@ fn event(job: &Job, agent: &str, state: JobState) -> JobEvent {
         at: vq_common::messages::unix_now(),
         attempt: 1,
         duplicate: None,
+        submission: None,
         state,
     }
 }

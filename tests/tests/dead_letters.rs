@@ -157,7 +157,15 @@ async fn dead_letters_made_by_rabbitmq_get_exactly_one_failed_event() -> Result<
     );
     ensure!(e.key == format!("job.{POOL}.failed"), "key {}", e.key);
     ensure!(
-        e.message_id.as_deref() == Some(format!("{}.failed", limited.id).as_str()),
+        e.message_id.as_deref()
+            == Some(
+                format!(
+                    "{}.{}.failed",
+                    limited.id,
+                    vq_common::messages::fingerprint(&limited.encode())
+                )
+                .as_str()
+            ),
         "message id {:?}",
         e.message_id
     );

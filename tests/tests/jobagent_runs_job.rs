@@ -423,3 +423,49 @@ async fn a_running_job_survives_a_lost_broker_connection_and_runs_once() -> anyh
     s.broker.cleanup().await;
     Ok(())
 }
+
+/// A job id submitted again once its job has ended is a new job: it runs,
+/// and its events name its own submission, so a consumer that
+/// deduplicates on `message_id` sees both results (README, "Claims and
+/// unknown outcomes").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_id_submitted_again_after_its_job_ended_gets_its_own_events() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = setup("", &[]).await?;
+    let first = job(POOL, &s.alice.name, "again", "echo first\n");
+    s.broker.publish_job(&first).await?;
+    let fin1 = s.tap.job_event(&first.id, "finished", EVENT_WAIT).await?;
+    // Released: its claim marker is gone (else the second message is a
+    // copy of a live job, which is refused).
+    let marker = s.broker.topo.claim_queue(&first.id);
+    let deadline = tokio::time::Instant::now() + EVENT_WAIT;
+    while s.broker.queue_len(&marker).await.is_ok() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "claim marker {marker} still there"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut second = job(POOL, &s.alice.name, "again", "echo second\n");
+    second.id = first.id.clone();
+    s.broker.publish_job(&second).await?;
+    let fin2 = s
+        .tap
+        .wait_for(EVENT_WAIT, "the second job's result", |k, v| {
+            k.ends_with(".finished") && v["job_id"] == first.id.as_str() && v["at"] != fin1["at"]
+        })
+        .await?;
+    assert_eq!(fin2["outcome"]["kind"], "exited", "{fin2}");
+    assert_ne!(fin1["submission"], fin2["submission"], "{fin1} {fin2}");
+    assert_eq!(
+        s.tap.distinct_finals(&first.id).len(),
+        2,
+        "deduplicating on message_id must keep both results"
+    );
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}

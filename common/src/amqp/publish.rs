@@ -120,8 +120,8 @@ const BLOCKED_POLL: Duration = Duration::from_millis(250);
 /// after the client has gone), so giving up and sending it again, or
 /// treating it as not sent, would duplicate it. It therefore does not
 /// return while `blocked()` stays true and the channel stays open: bound
-/// it from outside where that matters (the controller gives a cycle
-/// `SHUTDOWN_GRACE` after a shutdown request).
+/// it from outside where that matters (the controller's one shutdown
+/// deadline, `--shutdown-grace-secs`, bounds the cycle in flight).
 ///
 /// # Errors
 /// As [`publish_confirmed`]; [`AmqpError::Timeout`] also when the channel

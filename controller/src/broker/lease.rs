@@ -167,7 +167,8 @@ impl Broker {
                             JobState::Failed {
                                 reason: reason.clone(),
                             },
-                        );
+                        )
+                        .of_submission(&d.data);
                         event.attempt = losses;
                         amqp::publish_confirmed_patiently(
                             ch,
