@@ -573,10 +573,7 @@ mod tests {
     #[test]
     fn job_ends_are_counted_by_outcome_and_a_bounded_reason() {
         let usage = vq_common::messages::Usage::default();
-        let finished = |outcome| JobState::Finished {
-            outcome,
-            usage,
-        };
+        let finished = |outcome| JobState::Finished { outcome, usage };
         let failed = |reason: &str| JobState::Failed {
             reason: reason.into(),
         };
