@@ -104,7 +104,7 @@ pub struct StatusReport {
     /// list, `null` since the last one that succeeded.
     #[serde(default)]
     pub cloud_error: Option<String>,
-    /// When the last cycle that reached the broker ended, Unix seconds
+    /// When a cycle last tried to read the broker and the cloud, Unix seconds
     /// (0 = none yet).
     #[serde(default)]
     pub last_cycle_at: f64,
@@ -498,7 +498,7 @@ pub const NOT_READY_AFTER_FAILURES: u32 = 3;
 pub fn readiness(report: &StatusReport) -> Vec<String> {
     let mut reasons = Vec::new();
     if report.last_cycle_at <= 0.0 {
-        reasons.push("no reconcile cycle has reached the broker yet".to_string());
+        reasons.push("no reconcile cycle has run yet".to_string());
     }
     if !report.broker_connected {
         reasons.push("not connected to the broker".to_string());
