@@ -3,7 +3,8 @@
 //! port refuses connections) says so on `/readyz` (503, with the reason)
 //! and serves no stale pool values on `/metrics` (`vq_pool_observed` 0,
 //! `vq_pool_queued` absent), while `/healthz` stays 200; once the broker is
-//! reachable again it is ready and current again.
+//! reachable again it is ready and current again. Likewise when the cloud
+//! answers its server listings 503 (a cloudsim fault rule).
 //!
 //! Root (rabbitmqctl creates the broker accounts): `cargo test -p vq-tests
 //! --test controller_metrics -- --include-ignored`.
@@ -247,6 +248,87 @@ async fn an_unreachable_broker_makes_the_controller_unready_and_its_pool_values_
     drop(controller.guard);
     controller.sim.shutdown().await;
     gate.close();
+    broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn a_cloud_that_cannot_list_servers_makes_the_controller_unready_until_it_can(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cluster = unique_cluster();
+    let pool = "monc";
+    let url = shared_broker()?.url_of(&accounts::suite().controller);
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let controller = start_controller_on_empty_cloud_at(&url, &cluster, pool, "info", &listen)
+        .await
+        .context("start the controller")?;
+    let client = reqwest::Client::new();
+    let readyz = format!("http://{listen}/readyz");
+    let metrics = format!("http://{listen}/metrics");
+    wait_http(
+        &client,
+        &readyz,
+        Duration::from_secs(60),
+        "a ready controller",
+        |code, body| code == 200 && body == "ready",
+    )
+    .await?;
+
+    // The next three server listings fail with 503.
+    let faults = serde_json::json!({"fail_next": [{
+        "method": "GET", "path_prefix": "/compute/v2.1/servers", "status": 503, "count": 3
+    }]});
+    let r = client
+        .post(format!("{}/_sim/faults", controller.sim.base_url()))
+        .json(&faults)
+        .send()
+        .await?;
+    ensure!(r.status().is_success(), "cloudsim faults: {}", r.status());
+    let (_, body) = wait_http(
+        &client,
+        &readyz,
+        Duration::from_secs(30),
+        "an unready controller naming the cloud",
+        |code, body| code == 503 && body.contains("the cloud cannot be read"),
+    )
+    .await?;
+    ensure!(
+        body.contains("HTTP 503") && !body.contains("not connected to the broker"),
+        "/readyz must give the cloud's answer and only that: {body}"
+    );
+    let (_, m) = get(&client, &metrics).await?;
+    ensure!(
+        m.contains(&format!("vq_pool_observed{{pool=\"{pool}\"}} 0"))
+            && !m.contains(&format!("vq_pool_queued{{pool=\"{pool}\"}}"))
+            && m.contains("vq_cloud_requests_total{op=\"list_servers\",status=\"503\"}")
+            && m.contains("vq_broker_connected 1"),
+        "/metrics while the cloud cannot list servers:\n{m}"
+    );
+
+    // The rule used up, the controller is ready again.
+    wait_http(
+        &client,
+        &readyz,
+        Duration::from_secs(120),
+        "a ready controller once the cloud lists servers again",
+        |code, body| code == 200 && body == "ready",
+    )
+    .await?;
+    let (_, m) = get(&client, &metrics).await?;
+    ensure!(
+        m.contains(&format!("vq_pool_observed{{pool=\"{pool}\"}} 1"))
+            && m.contains(&format!("vq_pool_queued{{pool=\"{pool}\"}} 0")),
+        "/metrics once the cloud lists servers again:\n{m}"
+    );
+
+    drop(controller.guard);
+    controller.sim.shutdown().await;
     broker.cleanup().await;
     Ok(())
 }
