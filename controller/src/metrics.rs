@@ -443,6 +443,13 @@ impl Metrics {
         }
     }
 
+    /// Removes every quota series: the quota was not read this cycle, so
+    /// the last values are not current.
+    pub fn quota_unknown(&self) {
+        self.quota_used.clear();
+        self.quota_limit.clear();
+    }
+
     /// The text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -642,5 +649,7 @@ mod tests {
         assert!(!m
             .render()
             .contains("vq_quota_limit{resource=\"instances\"}"));
+        m.quota_unknown();
+        assert!(!m.render().contains("vq_quota_used{"), "not read: absent");
     }
 }

@@ -466,6 +466,7 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
         }
         Err(e) => {
             metrics.cloud_errors.inc();
+            metrics.quota_unknown();
             tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
             Some(0)
         }

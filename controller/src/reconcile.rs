@@ -240,6 +240,10 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Err(_) => Reach::Broker,
         };
         status::show_connections(&self.status, &self.metrics, reach);
+        if world.is_err() {
+            // Not read this cycle: no stale quota is served as current.
+            self.metrics.quota_unknown();
+        }
         let world = match world {
             Ok(w) => w,
             Err(NoWorld::Held(reason)) => {

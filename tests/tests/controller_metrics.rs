@@ -205,7 +205,9 @@ async fn an_unreachable_broker_makes_the_controller_unready_and_its_pool_values_
     )
     .await?;
     ensure!(
-        !m.contains(&queued) && m.contains("vq_broker_connected 0"),
+        !m.contains(&queued)
+            && !m.contains("vq_quota_used{")
+            && m.contains("vq_broker_connected 0"),
         "stale or wrong values while the broker is unreachable:\n{m}"
     );
     let (code, body) = get(&client, &format!("http://{listen}/healthz")).await?;
@@ -307,6 +309,7 @@ async fn a_cloud_that_cannot_list_servers_makes_the_controller_unready_until_it_
         m.contains(&format!("vq_pool_observed{{pool=\"{pool}\"}} 0"))
             && !m.contains(&format!("vq_pool_queued{{pool=\"{pool}\"}}"))
             && m.contains("vq_cloud_requests_total{op=\"list_servers\",status=\"503\"}")
+            && !m.contains("vq_quota_used{")
             && m.contains("vq_broker_connected 1"),
         "/metrics while the cloud cannot list servers:\n{m}"
     );
