@@ -17,6 +17,7 @@ use vq_common::messages::{Job, JobEvent, JobState, Message, REASON_HEADER, SUBMI
 use vq_common::topology::{job_event_key, Topology};
 
 use crate::events::Shared;
+use crate::metrics::{failure_reason, Metrics};
 
 /// The `failed` event of a dead letter RabbitMQ made itself: its
 /// `x-death` header (most recent death first; else the
@@ -98,6 +99,28 @@ pub fn broker_dead_letter_event(
     Some(event)
 }
 
+/// The `pool` and bounded `reason` labels of a dead letter
+/// ([`crate::metrics::failure_reason`] of its reason: RabbitMQ's for those
+/// it made, `event` being their `failed` event; vq's [`REASON_HEADER`]
+/// for the others). The pool is empty when the body is no job.
+pub fn dead_letter_labels(
+    event: Option<&JobEvent>,
+    props: &BasicProperties,
+    body: &[u8],
+) -> (String, &'static str) {
+    if let Some(JobEvent {
+        pool,
+        state: JobState::Failed { reason },
+        ..
+    }) = event
+    {
+        return (pool.clone(), failure_reason(reason));
+    }
+    let pool = Job::decode(body).map(|j| j.pool).unwrap_or_default();
+    let reason = header_str(props, REASON_HEADER).map_or("unknown", |r| failure_reason(&r));
+    (pool, reason)
+}
+
 /// Consumes `<c>.dead.watch`: publishes the `failed` event of every dead
 /// letter RabbitMQ made ([`broker_dead_letter_event`]) on `publish`
 /// (confirmed, AMQP `message_id` `<job_id>.failed`, so a redelivered watch
@@ -111,6 +134,7 @@ pub(crate) async fn watch_dead_letters(
     topo: Topology,
     confirm: Duration,
     shared: Arc<StdMutex<Shared>>,
+    metrics: Arc<Metrics>,
 ) {
     let blocked = move || {
         shared
@@ -127,12 +151,18 @@ pub(crate) async fn watch_dead_letters(
                 break;
             }
         };
-        match broker_dead_letter_event(
+        let event = broker_dead_letter_event(
             &topo,
             &d.properties,
             &d.data,
             vq_common::messages::unix_now(),
-        ) {
+        );
+        let (pool, reason) = dead_letter_labels(event.as_ref(), &d.properties, &d.data);
+        metrics
+            .jobs_dead_lettered
+            .get_or_create(&Metrics::pool_and(&pool, "reason", reason))
+            .inc();
+        match event {
             Some(event) => {
                 let props = amqp::event_properties(&event);
                 let sent = amqp::publish_confirmed_patiently(
@@ -201,6 +231,10 @@ mod tests {
         let body = job(true).encode();
         let e = broker_dead_letter_event(&topo, &props, &body, 1.0).unwrap();
         assert_eq!((e.job_id.as_str(), e.pool.as_str()), ("7.x", "cms"));
+        assert_eq!(
+            dead_letter_labels(Some(&e), &props, &body),
+            ("cms".to_string(), "rabbitmq-expired")
+        );
         assert_eq!(e.submitter.as_deref(), Some("alice"));
         let JobState::Failed { reason } = &e.state else {
             panic!("{e:?}")
@@ -223,6 +257,10 @@ mod tests {
         );
         let p3 = BasicProperties::default().with_headers(own);
         assert!(broker_dead_letter_event(&topo, &p3, &body, 1.0).is_none());
+        assert_eq!(
+            dead_letter_labels(None, &p3, &body),
+            ("cms".to_string(), "refused")
+        );
         assert!(broker_dead_letter_event(&topo, &BasicProperties::default(), &body, 1.0).is_none());
     }
 }

@@ -3,7 +3,8 @@
 //! controller's own monotonic receive time (the agents' clocks are never
 //! trusted for liveness), and the consumers that fill it. The broker
 //! session ([`crate::broker`]) starts the consumers; each cycle takes a
-//! [`Shared::snapshot`].
+//! [`Shared::snapshot`]. Job events heard on the same consumer are only
+//! counted ([`count_job_event`], `vq_jobs_ended_total`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex as StdMutex};
@@ -13,7 +14,9 @@ use futures_util::StreamExt;
 use lapin::options::BasicAckOptions;
 use lapin::{Channel, Consumer};
 use tokio::time::Instant;
-use vq_common::messages::{DeleteAnswer, Demand, Heartbeat, Message};
+use vq_common::messages::{DeleteAnswer, Demand, Heartbeat, JobEvent, Message};
+
+use crate::metrics::Metrics;
 
 /// A heartbeat or answer with the controller's receive time.
 #[derive(Debug, Clone, Default)]
@@ -147,13 +150,25 @@ pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Ins
     }
 }
 
+/// Counts one job event (routing key `job.<pool>.<word>`) in `metrics`.
+pub fn count_job_event(metrics: &Metrics, routing_key: &str, body: &[u8]) {
+    match JobEvent::decode(body) {
+        Ok(ev) => metrics.job_event(&ev),
+        Err(e) => tracing::debug!(routing_key, error = %e, "ignoring a malformed job event"),
+    }
+}
+
 pub(crate) async fn consume_events(
     mut consumer: Consumer,
     shared: Arc<StdMutex<Shared>>,
+    metrics: Arc<Metrics>,
     _ch: Channel,
 ) {
     while let Some(delivery) = consumer.next().await {
         match delivery {
+            Ok(d) if d.routing_key.as_str().starts_with("job.") => {
+                count_job_event(&metrics, d.routing_key.as_str(), &d.data);
+            }
             Ok(d) => {
                 let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
                 record_event(&mut s, d.routing_key.as_str(), &d.data, Instant::now());

@@ -1,15 +1,16 @@
 //! HTTP endpoint of the controller (axum on `listen`):
 //!
-//! * `GET /healthz`: `200 ok` while the process runs, `503` with the
-//!   broker's ACCESS_REFUSED text while the last cycle failed because the
-//!   controller's broker account lacks a permission
-//!   ([`StatusReport::broker_access_refused`]);
+//! * `GET /healthz`: liveness, `200 ok` while the process serves;
+//! * `GET /readyz`: readiness, `200 ready` when the controller can act,
+//!   else `503` with one reason per line ([`crate::status::readiness`]:
+//!   broker not connected, a permission the broker refused to the
+//!   controller's account ([`StatusReport::broker_access_refused`], the
+//!   broker's ACCESS_REFUSED text), a broker alarm, the cloud unreadable,
+//!   a pool failing past its first backoff steps);
 //! * `GET /status`: the [`StatusReport`] as JSON (shape documented in
 //!   [`crate::status`]);
-//! * `GET /metrics`: Prometheus text format: `vq_pool_queued{pool}`,
-//!   `vq_pool_running{pool}`, `vq_pool_target_vms{pool}`,
-//!   `vq_pool_vms{pool,state}`, `vq_servers_created_total{pool}`,
-//!   `vq_servers_deleted_total{pool,reason}`, `vq_cloud_errors_total`.
+//! * `GET /metrics`: OpenMetrics text ([`Metrics`]; README.md's
+//!   "Monitoring" lists every family).
 
 use std::sync::{Arc, RwLock};
 
@@ -32,31 +33,28 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
 }
 
-/// The router (`/healthz`, `/status`, `/metrics`).
+/// The router (`/healthz`, `/readyz`, `/status`, `/metrics`).
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .with_state(state)
 }
 
-async fn healthz(State(s): State<AppState>) -> Response {
-    let refused = s
-        .status
-        .read()
-        .unwrap_or_else(|p| p.into_inner())
-        .broker_access_refused
-        .clone();
-    match refused {
-        None => (StatusCode::OK, "ok").into_response(),
-        Some(reason) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "not ok: the broker refused a permission of the controller's account: {reason}"
-            ),
-        )
-            .into_response(),
+async fn healthz() -> Response {
+    (StatusCode::OK, "ok").into_response()
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    let reasons = crate::status::readiness(&s.status.read().unwrap_or_else(|p| p.into_inner()));
+    if reasons.is_empty() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        let mut body = reasons.join("\n");
+        body.push('\n');
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
     }
 }
 
@@ -108,6 +106,8 @@ mod tests {
             .inc();
         let mut report = StatusReport {
             cluster: "vq".into(),
+            broker_connected: true,
+            last_cycle_at: 1.0,
             ..Default::default()
         };
         report.pools.insert(
@@ -143,6 +143,11 @@ mod tests {
             }
         };
         assert!(get("/healthz").await.ends_with("ok"));
+        let ready = get("/readyz").await;
+        assert!(
+            ready.starts_with("HTTP/1.1 200") && ready.ends_with("ready"),
+            "{ready}"
+        );
         let status = get("/status").await;
         let body = status.split("\r\n\r\n").nth(1).unwrap();
         let parsed: StatusReport = serde_json::from_str(body).unwrap();
@@ -150,8 +155,18 @@ mod tests {
         let refused = "ACCESS_REFUSED - write access to exchange 'vq.control' in vhost '/' refused for user 'ctl'";
         state_status.write().unwrap().broker_access_refused = Some(refused.into());
         let health = get("/healthz").await;
-        assert!(health.starts_with("HTTP/1.1 503"), "{health}");
-        assert!(health.contains(refused), "{health}");
+        assert!(
+            health.starts_with("HTTP/1.1 200"),
+            "alive all the same: {health}"
+        );
+        let ready = get("/readyz").await;
+        assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+        assert!(ready.contains(refused), "{ready}");
+        state_status.write().unwrap().broker_connected = false;
+        let ready = get("/readyz").await;
+        let body = ready.split("\r\n\r\n").nth(1).unwrap();
+        assert_eq!(body.lines().count(), 2, "one reason per line: {body}");
+        assert!(body.contains("not connected to the broker"), "{body}");
         let m = get("/metrics").await;
         assert!(m.contains("vq_pool_queued{pool=\"cms\"} 7"), "{m}");
         assert!(

@@ -5,10 +5,10 @@
 //! the whole view of each pool), plan ([`plan`], pure) and act ([`act`]),
 //! with an explicit error policy ([`policy`]), driven per pool by
 //! [`reconcile`], which then fences lost agents ([`fence`]) and publishes
-//! the outcome ([`status`], [`metrics`]); [`openstack`] talks to
-//! Keystone/Nova/Glance, [`broker`] to RabbitMQ (what it hears goes into
-//! the event book, [`events`]), and [`http`] serves `/healthz`, `/status`
-//! and `/metrics`.
+//! the outcome ([`status`], [`metrics`], with the boot and drain
+//! [`timings`]); [`openstack`] talks to Keystone/Nova/Glance, [`broker`]
+//! to RabbitMQ (what it hears goes into the event book, [`events`]), and
+//! [`http`] serves `/healthz`, `/readyz`, `/status` and `/metrics`.
 
 #![forbid(unsafe_code)]
 
@@ -27,5 +27,6 @@ pub mod plan;
 pub mod policy;
 pub mod reconcile;
 pub mod status;
+pub mod timings;
 
 pub use reconcile::run;

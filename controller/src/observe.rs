@@ -80,6 +80,8 @@ pub struct AgentSeen {
     pub state: AgentState,
     /// Jobs running per the last heartbeat.
     pub running: u32,
+    /// Job slots per the last heartbeat.
+    pub slots: u32,
     /// `is_del` in the last heartbeat.
     pub is_del: bool,
     /// Seconds the agent has been idle per the last heartbeat.
@@ -217,6 +219,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
                     heartbeat_age_secs: age(*at),
                     state: hb.state,
                     running: hb.running.len() as u32,
+                    slots: hb.slots,
                     is_del: hb.is_del,
                     idle_secs: hb.idle_secs,
                     answer,
@@ -450,9 +453,20 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
         }
     };
     let quota_remaining = match cloud.quota().await {
-        Ok(q) => q.remaining(),
+        Ok(q) => {
+            metrics.quota(
+                "instances",
+                q.used_instances.into(),
+                q.max_instances.map(u64::from),
+            );
+            metrics.quota("cores", q.used_cores.into(), q.max_cores.map(u64::from));
+            let bytes = |mib: u64| mib.saturating_mul(1024 * 1024);
+            metrics.quota("ram_bytes", bytes(q.used_ram_mib), q.max_ram_mib.map(bytes));
+            q.remaining()
+        }
         Err(e) => {
             metrics.cloud_errors.inc();
+            metrics.quota_unknown();
             tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
             Some(0)
         }

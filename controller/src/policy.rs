@@ -76,7 +76,7 @@ pub fn error_policy(err: CycleError<'_>) -> Next {
 
 /// The first permission the broker refused in a cycle
 /// ([`AmqpError::access_refused`]): a cycle with one counts as failed for
-/// lack of permission (`/healthz` 503, `/status` `broker_access_refused`),
+/// lack of permission (`/readyz` 503, `/status` `broker_access_refused`),
 /// whichever step met it (observe, act or fence).
 #[derive(Debug, Default)]
 pub struct Refusals {
@@ -89,7 +89,7 @@ impl Refusals {
     pub fn note(&mut self, e: &AmqpError) {
         if let Some(text) = e.access_refused() {
             if self.first.is_none() {
-                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /healthz reports 503");
+                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /readyz reports 503");
                 self.first = Some(text);
             }
         }

@@ -26,7 +26,8 @@ use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
 use crate::openstack::{CloudApi, Credentials, HttpCloud};
 use crate::plan::{plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
-use crate::status::{self, PoolStatus, StatusReport};
+use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
+use crate::timings::Timings;
 
 /// The shutdown deadline: how long after the first shutdown request the
 /// controller may take to stop (finish the cycle in flight, acting no
@@ -104,6 +105,8 @@ pub struct Controller<C, B> {
     registry_first_seen: BTreeMap<String, Instant>,
     /// The first ACCESS_REFUSED the broker gave in the running cycle.
     refusals: Refusals,
+    /// Boots and asks being timed for the histograms.
+    timings: Timings,
     started: Instant,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
@@ -136,10 +139,18 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             memory: PoolMemory::default(),
             registry_first_seen: BTreeMap::new(),
             refusals: Refusals::default(),
+            timings: Timings::default(),
             started: Instant::now(),
             status: Arc::new(RwLock::new(status)),
             metrics: Arc::new(Metrics::new()),
         }
+    }
+
+    /// Publishes into `metrics` (shared with the cloud and broker clients)
+    /// instead of a registry of its own.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The cloud client.
@@ -160,12 +171,23 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let b = self.backoff.get_mut(pool).expect("pool has a backoff");
         let delay = b.failed(now, next.at_least);
         let chain = err.chain();
+        let attempts = b.attempts();
         if next.permanent {
             tracing::error!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "permanent error; check the pool's configuration, the cloud and the broker account");
         } else {
             tracing::warn!(pool, error = %chain, retry_in_secs = delay.as_secs_f64(), attempts = b.attempts(), "pool cycle failed; backing off");
         }
-        status::show_error(&self.status, pool, chain);
+        status::show_failure(
+            &self.status,
+            &self.metrics,
+            pool,
+            PoolFailure {
+                error: chain,
+                attempts,
+                permanent: next.permanent,
+                observed: matches!(err, CycleError::Act(_)),
+            },
+        );
     }
 
     /// Runs one cycle. With `shutdown` cancelled, observes and plans but
@@ -197,7 +219,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if ready.is_empty() {
             return summary;
         }
-        let world = match observe_world(
+        let world = observe_world(
             &self.cloud,
             &self.broker,
             &self.cfg.cluster,
@@ -206,11 +228,26 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             &self.metrics,
             &mut self.refusals,
         )
-        .await
-        {
+        .await;
+        let cloud_error = match &world {
+            Err(NoWorld::Failed(e @ ObserveError::Servers(_))) => Some(vq_common::error::chain(e)),
+            _ => None,
+        };
+        let reach = match &world {
+            Ok(_) => Reach::Both(None),
+            Err(NoWorld::Failed(ObserveError::Servers(_))) => Reach::Both(cloud_error.as_deref()),
+            Err(NoWorld::Failed(ObserveError::Broker(_))) => Reach::NoBroker,
+            Err(_) => Reach::Broker,
+        };
+        status::show_connections(&self.status, &self.metrics, reach);
+        if world.is_err() {
+            // Not read this cycle: no stale quota is served as current.
+            self.metrics.quota_unknown();
+        }
+        let world = match world {
             Ok(w) => w,
             Err(NoWorld::Held(reason)) => {
-                status::show_held(&self.status, &ready, &reason);
+                status::show_held(&self.status, &self.metrics, &ready, &reason);
                 summary.held = ready;
                 return summary;
             }
@@ -224,12 +261,21 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         };
         let mut quota = world.quota_remaining;
         for pool in ready {
-            match self.pool_turn(&pool, &world, quota, shutdown).await {
+            let turn_started = Instant::now();
+            let turn = self.pool_turn(&pool, &world, quota, shutdown).await;
+            self.metrics
+                .reconcile_duration
+                .get_or_create(&Metrics::pool(&pool))
+                .observe(turn_started.elapsed().as_secs_f64());
+            match turn {
                 Turn::Unobserved(e) => {
                     self.fail_pool(&pool, now, CycleError::Observe(&e));
                     summary.failed.push(pool);
                 }
-                Turn::Planned => summary.ok.push(pool),
+                Turn::Planned => {
+                    status::show_success(&self.status, &pool);
+                    summary.ok.push(pool);
+                }
                 Turn::Acted {
                     created,
                     deleted,
@@ -245,6 +291,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                         }
                         None => {
                             self.backoff.get_mut(&pool).expect("pool").succeeded();
+                            status::show_success(&self.status, &pool);
                             summary.ok.push(pool);
                         }
                     }
@@ -287,6 +334,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Ok(o) => o,
             Err(e) => return Turn::Unobserved(e),
         };
+        self.timings.observed(&self.metrics, &observed, now);
         match (
             &observed.boot_obstacle,
             status::has_obstacle(&self.status, name),
@@ -321,12 +369,17 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
             return Turn::Planned;
         }
+        let acting_since = Instant::now();
         let report = act(pool, &planned.actions, &self.cloud, &self.broker).await;
         let created_at = Instant::now();
         for (server, id) in &report.created {
             self.memory
                 .created_watch
                 .created(name, id, server, created_at);
+            self.timings.created(id, created_at);
+        }
+        for agent in &report.asked {
+            self.timings.asked(agent, acting_since);
         }
         status::count_actions(&self.metrics, name, &report);
         if !report.asked.is_empty() {
@@ -420,7 +473,10 @@ pub async fn run(
             Some(Microversion::parse(s).ok_or_else(|| RunError::Microversion { value: s.into() })?)
         }
     };
-    let cloud = HttpCloud::new(creds, microversion).map_err(RunError::HttpClient)?;
+    let metrics = Arc::new(Metrics::new());
+    let cloud = HttpCloud::new(creds, microversion)
+        .map_err(RunError::HttpClient)?
+        .with_metrics(metrics.clone());
     // A cloud older than vq needs would answer every request 406 (or, below
     // 2.52 requested, list nothing vq booted): refuse to start. A cloud
     // that cannot be read now is checked again when it answers 406.
@@ -436,17 +492,18 @@ pub async fn run(
         cfg.broker.clone(),
         Topology::new(cfg.cluster.clone()),
         cfg.pools.keys().cloned().collect(),
-    );
+    )
+    .with_metrics(metrics.clone());
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
-    let mut ctl = Controller::new(cfg, cloud, broker);
+    let mut ctl = Controller::new(cfg, cloud, broker).with_metrics(metrics);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|source| RunError::Listen {
             addr: listen.clone(),
             source,
         })?;
-    tracing::info!(listen = %listen, "serving /healthz, /status and /metrics");
+    tracing::info!(listen = %listen, "serving /healthz, /readyz, /status and /metrics");
     let http_stop = CancellationToken::new();
     let mut http = tokio::spawn(crate::http::serve(
         listener,

@@ -9,6 +9,10 @@
 //!   "generated_at": 1764412800.5,
 //!   "uptime_secs": 120.0,
 //!   "broker_access_refused": null,
+//!   "broker_connected": true,
+//!   "broker_blocked": null,
+//!   "cloud_error": null,
+//!   "last_cycle_at": 1764412799.0,
 //!   "pools": {
 //!     "cms": {
 //!       "queued": 12, "running": 4, "target": 4,
@@ -24,7 +28,10 @@
 //!       ],
 //!       "observed_at": 1764412799.0,
 //!       "last_error": null,
-//!       "obstacle": null
+//!       "obstacle": null,
+//!       "observed": true,
+//!       "failures": 0,
+//!       "failure_permanent": false
 //!     }
 //!   }
 //! }
@@ -39,10 +46,18 @@
 //! it from seeing what it boots (a server it created is missing from the
 //! server listings); it says which server and why.
 //!
+//! `observed` is `false` while the pool's last observation failed: its
+//! counts are then those of `observed_at`, not current (its value gauges
+//! are absent from `/metrics`). `failures` counts the pool's failed cycles
+//! in a row, `failure_permanent` says whether the last one was an error
+//! retrying cannot fix. [`readiness`] (served by `/readyz`) is computed
+//! from this document.
+//!
 //! The loop publishes into it (and into the [`Metrics`]) through the
 //! functions at the end of this module: [`publish`] after each pool's
-//! plan, [`count_actions`] after it acted, [`show_error`], [`show_held`]
-//! and [`show_refused`] when a cycle did not go through.
+//! plan, [`count_actions`] after it acted, [`show_failure`] or
+//! [`show_success`] when its cycle ended, [`show_held`] during a broker
+//! alarm, and [`show_connections`] and [`show_refused`] after a cycle.
 
 use std::collections::BTreeMap;
 use std::sync::RwLock;
@@ -53,9 +68,9 @@ use vq_common::messages::unix_now;
 
 use crate::act::ActReport;
 use crate::error::ActError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, AGENT_STATES, SLOT_STATES, VM_STATES};
 use crate::observe::{NovaStatus, Observed};
-use crate::plan::{Action, Class, Plan};
+use crate::plan::{Action, Class, DeleteCause, Plan};
 
 /// Number of decisions kept per pool in [`PoolStatus::last_decisions`].
 pub const DECISIONS_KEPT: usize = 20;
@@ -74,9 +89,25 @@ pub struct StatusReport {
     /// The broker's ACCESS_REFUSED text (it names the operation, the
     /// resource and the user) if the last cycle failed for lack of a
     /// permission of the controller's account, else `null`; while set,
-    /// `/healthz` answers 503 with it.
+    /// `/readyz` answers 503 with it.
     #[serde(default)]
     pub broker_access_refused: Option<String>,
+    /// Whether the controller's last attempt to reach the broker succeeded
+    /// (`false` before the first cycle).
+    #[serde(default)]
+    pub broker_connected: bool,
+    /// The broker's reason while it blocks the controller's publishing
+    /// (resource alarm: every pool is held), else `null`.
+    #[serde(default)]
+    pub broker_blocked: Option<String>,
+    /// The whole cause chain of the last failed read of the cloud's server
+    /// list, `null` since the last one that succeeded.
+    #[serde(default)]
+    pub cloud_error: Option<String>,
+    /// When a cycle last tried to read the broker and the cloud, Unix seconds
+    /// (0 = none yet).
+    #[serde(default)]
+    pub last_cycle_at: f64,
 }
 
 /// One pool's state as seen in the last successful observation.
@@ -105,6 +136,17 @@ pub struct PoolStatus {
     /// (see the module doc); `None` when it may boot.
     #[serde(default)]
     pub obstacle: Option<String>,
+    /// Whether the pool's last observation succeeded (its counts are
+    /// current); `false` before the first one and while it fails.
+    #[serde(default)]
+    pub observed: bool,
+    /// The pool's failed cycles in a row (0 after a success).
+    #[serde(default)]
+    pub failures: u32,
+    /// Whether the last failed cycle failed with a permanent error (one
+    /// retrying cannot fix).
+    #[serde(default)]
+    pub failure_permanent: bool,
 }
 
 /// VM counts of a pool.
@@ -196,7 +238,17 @@ pub fn publish(
     let mut vms = VmCounts::default();
     let mut agents = AgentCounts::default();
     let mut servers = Vec::new();
+    let (mut slots, mut slots_used) = (0u32, 0u32);
     for (s, c) in observed.servers.iter().zip(&planned.classes) {
+        if matches!(
+            c,
+            Class::Idle | Class::Busy | Class::Draining | Class::Agreed
+        ) {
+            if let Some(a) = &s.agent {
+                slots += a.slots;
+                slots_used += a.running.min(a.slots);
+            }
+        }
         match c {
             Class::Booting | Class::Unknown => vms.booting += 1,
             Class::Idle => {
@@ -228,7 +280,9 @@ pub fn publish(
             running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
         });
     }
+    let now = unix_now();
     let m = metrics;
+    m.pool_observed_at(pool, now);
     m.pool_queued
         .get_or_create(&Metrics::pool(pool))
         .set(observed.queued as i64);
@@ -238,17 +292,30 @@ pub fn publish(
     m.pool_target
         .get_or_create(&Metrics::pool(pool))
         .set(i64::from(planned.target));
-    for (state, n) in [
-        ("booting", vms.booting),
-        ("active", vms.active),
-        ("draining", vms.draining),
-        ("error", vms.error),
-    ] {
+    for (state, n) in VM_STATES
+        .into_iter()
+        .zip([vms.booting, vms.active, vms.draining, vms.error])
+    {
         m.pool_vms
             .get_or_create(&Metrics::pool_and(pool, "state", state))
             .set(i64::from(n));
     }
-    let now = unix_now();
+    for (state, n) in AGENT_STATES
+        .into_iter()
+        .zip([agents.idle, agents.busy, agents.draining])
+    {
+        m.pool_agents
+            .get_or_create(&Metrics::pool_and(pool, "state", state))
+            .set(i64::from(n));
+    }
+    for (state, n) in SLOT_STATES
+        .into_iter()
+        .zip([slots.saturating_sub(slots_used), slots_used])
+    {
+        m.pool_slots
+            .get_or_create(&Metrics::pool_and(pool, "state", state))
+            .set(i64::from(n));
+    }
     let mut st = write(status);
     st.generated_at = now;
     st.uptime_secs = started.elapsed().as_secs_f64();
@@ -261,6 +328,7 @@ pub fn publish(
     ps.servers = servers;
     ps.observed_at = now;
     ps.last_error = None;
+    ps.observed = true;
     ps.obstacle = observed.boot_obstacle.clone();
     for a in &planned.actions {
         ps.last_decisions.push(Decision {
@@ -279,7 +347,10 @@ pub fn publish(
 }
 
 /// Counts what one pool's act step did: servers created and deleted (by
-/// cause) and the failed cloud requests among its errors.
+/// cause), failed boots (`vq_boot_failures_total{reason}`: `create`,
+/// `resolve`, `user-data` when the boot action failed; `error`,
+/// `stuck-build`, `black-hole` when a server that never became a working
+/// agent was deleted) and the failed cloud requests among its errors.
 pub fn count_actions(metrics: &Metrics, pool: &str, report: &ActReport) {
     metrics
         .created
@@ -289,6 +360,28 @@ pub fn count_actions(metrics: &Metrics, pool: &str, report: &ActReport) {
         metrics
             .deleted
             .get_or_create(&Metrics::pool_and(pool, "reason", cause.label()))
+            .inc();
+        // A server that never became a working agent is a failed boot.
+        if matches!(
+            cause,
+            DeleteCause::Error | DeleteCause::StuckBuild | DeleteCause::BlackHole
+        ) {
+            metrics
+                .boot_failures
+                .get_or_create(&Metrics::pool_and(pool, "reason", cause.label()))
+                .inc();
+        }
+    }
+    for e in &report.errors {
+        let reason = match e {
+            ActError::Create { .. } => "create",
+            ActError::Resolve { .. } => "resolve",
+            ActError::UserData { .. } => "user-data",
+            _ => continue,
+        };
+        metrics
+            .boot_failures
+            .get_or_create(&Metrics::pool_and(pool, "reason", reason))
             .inc();
     }
     let cloud_errors = report
@@ -304,23 +397,140 @@ pub fn count_actions(metrics: &Metrics, pool: &str, report: &ActReport) {
     metrics.cloud_errors.inc_by(cloud_errors as u64);
 }
 
-/// Shows `error` (the whole cause chain, one line) as `pool`'s last error.
-pub fn show_error(status: &RwLock<StatusReport>, pool: &str, error: String) {
+/// How one pool's cycle failed, for [`show_failure`].
+#[derive(Debug, Clone)]
+pub struct PoolFailure {
+    /// The whole cause chain, one line.
+    pub error: String,
+    /// Failed cycles in a row, this one included.
+    pub attempts: u32,
+    /// Whether retrying cannot fix it.
+    pub permanent: bool,
+    /// Whether the pool was observed before the cycle failed (an act
+    /// failure); `false`: its observation failed, its values are stale.
+    pub observed: bool,
+}
+
+/// Shows `pool`'s failed cycle: its last error, failure count and, when
+/// its observation failed, that its values are stale (`observed` false,
+/// value gauges removed: [`Metrics::pool_unobserved`]).
+pub fn show_failure(
+    status: &RwLock<StatusReport>,
+    metrics: &Metrics,
+    pool: &str,
+    failure: PoolFailure,
+) {
+    if !failure.observed {
+        metrics.pool_unobserved(pool);
+    }
     if let Some(ps) = write(status).pools.get_mut(pool) {
-        ps.last_error = Some(error);
+        ps.last_error = Some(failure.error);
+        ps.failures = failure.attempts;
+        ps.failure_permanent = failure.permanent;
+        if !failure.observed {
+            ps.observed = false;
+        }
     }
 }
 
-/// Shows `pools` as held because the broker blocks publishing (`reason`).
-pub fn show_held(status: &RwLock<StatusReport>, pools: &[String], reason: &str) {
+/// Shows `pool`'s cycle as succeeded: no failures in a row.
+pub fn show_success(status: &RwLock<StatusReport>, pool: &str) {
+    if let Some(ps) = write(status).pools.get_mut(pool) {
+        ps.failures = 0;
+        ps.failure_permanent = false;
+    }
+}
+
+/// Shows `pools` as held because the broker blocks publishing (`reason`):
+/// not observed this cycle, so their values are stale.
+pub fn show_held(status: &RwLock<StatusReport>, metrics: &Metrics, pools: &[String], reason: &str) {
     let mut st = write(status);
+    st.broker_blocked = Some(reason.to_string());
     for p in pools {
+        metrics.pool_unobserved(p);
         if let Some(ps) = st.pools.get_mut(p) {
+            ps.observed = false;
             ps.last_error = Some(format!(
                 "the broker blocks publishing ({reason}): holding, no VM booted or deleted"
             ));
         }
     }
+}
+
+/// What a cycle learnt of the controller's connections, for
+/// [`show_connections`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach<'a> {
+    /// The broker could not be reached (the cloud was not tried).
+    NoBroker,
+    /// The broker was reached; the cloud was not tried (probe failed,
+    /// alarm).
+    Broker,
+    /// Both were reached, or the cloud failed with this cause chain.
+    Both(Option<&'a str>),
+}
+
+/// Records what a cycle that ran learnt of the broker and the cloud
+/// (`broker_connected`, `cloud_error`, `broker_blocked`,
+/// `vq_broker_connected`) and when it ended.
+pub fn show_connections(status: &RwLock<StatusReport>, metrics: &Metrics, reach: Reach<'_>) {
+    let mut st = write(status);
+    st.broker_connected = reach != Reach::NoBroker;
+    metrics.broker_connected.set(i64::from(st.broker_connected));
+    if let Reach::Both(cloud) = reach {
+        st.cloud_error = cloud.map(str::to_string);
+        st.broker_blocked = None;
+    }
+    st.last_cycle_at = unix_now();
+}
+
+/// A pool whose cycles failed this many times in a row with transient
+/// errors makes the controller not ready ([`readiness`]); fewer are taken
+/// as the pool waiting out its backoff.
+pub const NOT_READY_AFTER_FAILURES: u32 = 3;
+
+/// Why the controller is not ready, one reason per entry (empty: ready).
+/// Ready means: a cycle has run, the broker is connected and refused no
+/// permission nor blocks publishing, the cloud answered the last server
+/// listing, and the last cycle of every pool succeeded or is inside its
+/// backoff: failed with a transient error fewer than
+/// [`NOT_READY_AFTER_FAILURES`] times in a row.
+pub fn readiness(report: &StatusReport) -> Vec<String> {
+    let mut reasons = Vec::new();
+    if report.last_cycle_at <= 0.0 {
+        reasons.push("no reconcile cycle has run yet".to_string());
+    }
+    if !report.broker_connected {
+        reasons.push("not connected to the broker".to_string());
+    }
+    if let Some(r) = &report.broker_access_refused {
+        reasons.push(format!(
+            "the broker refused a permission of the controller's account: {r}"
+        ));
+    }
+    if let Some(b) = &report.broker_blocked {
+        reasons.push(format!(
+            "the broker blocks publishing ({b}): every pool is held"
+        ));
+    }
+    if let Some(e) = &report.cloud_error {
+        reasons.push(format!("the cloud cannot be read: {e}"));
+    }
+    for (name, p) in &report.pools {
+        if p.failures > 0 && (p.failure_permanent || p.failures >= NOT_READY_AFTER_FAILURES) {
+            reasons.push(format!(
+                "pool {name}: {} failed cycle(s) in a row{}: {}",
+                p.failures,
+                if p.failure_permanent {
+                    ", permanent error"
+                } else {
+                    ""
+                },
+                p.last_error.as_deref().unwrap_or("")
+            ));
+        }
+    }
+    reasons
 }
 
 /// Whether `pool`'s entry shows an obstacle (its boots are stopped).
@@ -337,4 +547,175 @@ pub fn has_obstacle(status: &RwLock<StatusReport>, pool: &str) -> bool {
 /// touched the broker.
 pub fn show_refused(status: &RwLock<StatusReport>, refused: Option<String>) {
     write(status).broker_access_refused = refused;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status_with(pool: &str) -> RwLock<StatusReport> {
+        let mut r = StatusReport::default();
+        r.pools.insert(pool.into(), PoolStatus::default());
+        RwLock::new(r)
+    }
+
+    fn observed(queued: u64) -> (Observed, Plan) {
+        let o = Observed {
+            pool: "cms".into(),
+            queued,
+            ..Default::default()
+        };
+        let p = Plan {
+            target: 2,
+            active: 0,
+            booting: 0,
+            classes: vec![],
+            actions: vec![],
+            held: vec![],
+        };
+        (o, p)
+    }
+
+    #[test]
+    fn a_pool_whose_observation_failed_serves_no_stale_values() {
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let (o, p) = observed(3);
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        let text = m.render();
+        assert!(text.contains("vq_pool_queued{pool=\"cms\"} 3"), "{text}");
+        assert!(text.contains("vq_pool_observed{pool=\"cms\"} 1"), "{text}");
+        assert!(
+            text.contains("vq_pool_vms{pool=\"cms\",state=\"booting\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vq_pool_agents{pool=\"cms\",state=\"idle\"} 0")
+                && text.contains("vq_pool_slots{pool=\"cms\",state=\"free\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE vq_pool_last_success_timestamp_seconds gauge")
+                && text.contains("# UNIT vq_pool_last_success_timestamp_seconds seconds"),
+            "{text}"
+        );
+        let ts_line = |t: &str| {
+            t.lines()
+                .find(|l| l.starts_with("vq_pool_last_success_timestamp_seconds{pool=\"cms\"}"))
+                .map(str::to_string)
+        };
+        let before = ts_line(&text).expect("a last success");
+        assert!(status.read().unwrap().pools["cms"].observed);
+
+        show_failure(
+            &status,
+            &m,
+            "cms",
+            PoolFailure {
+                error: "no broker connection: refused".into(),
+                attempts: 1,
+                permanent: false,
+                observed: false,
+            },
+        );
+        let text = m.render();
+        assert!(
+            !text.contains("vq_pool_queued{"),
+            "stale value served: {text}"
+        );
+        assert!(!text.contains("vq_pool_running{"), "{text}");
+        assert!(!text.contains("vq_pool_target_vms{"), "{text}");
+        assert!(!text.contains("vq_pool_vms{"), "{text}");
+        assert!(!text.contains("vq_pool_agents{"), "{text}");
+        assert!(!text.contains("vq_pool_slots{"), "{text}");
+        assert!(text.contains("vq_pool_observed{pool=\"cms\"} 0"), "{text}");
+        assert_eq!(ts_line(&text), Some(before), "the last success is kept");
+        let st = status.read().unwrap();
+        assert!(!st.pools["cms"].observed);
+        assert_eq!(st.pools["cms"].failures, 1);
+        drop(st);
+
+        // An act failure leaves the (current) values in place.
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        show_failure(
+            &status,
+            &m,
+            "cms",
+            PoolFailure {
+                error: "cannot create".into(),
+                attempts: 1,
+                permanent: false,
+                observed: true,
+            },
+        );
+        assert!(m.render().contains("vq_pool_queued{pool=\"cms\"} 3"));
+        assert!(status.read().unwrap().pools["cms"].observed);
+    }
+
+    #[test]
+    fn held_pools_are_unobserved_and_the_alarm_makes_the_controller_not_ready() {
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let (o, p) = observed(1);
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        show_connections(&status, &m, Reach::Both(None));
+        assert!(readiness(&status.read().unwrap()).is_empty());
+        show_held(&status, &m, &["cms".into()], "memory alarm");
+        show_connections(&status, &m, Reach::Broker);
+        assert!(m.render().contains("vq_pool_observed{pool=\"cms\"} 0"));
+        let reasons = readiness(&status.read().unwrap());
+        assert_eq!(reasons.len(), 1, "{reasons:?}");
+        assert!(reasons[0].contains("memory alarm"), "{reasons:?}");
+        show_connections(&status, &m, Reach::Both(None));
+        assert!(readiness(&status.read().unwrap()).is_empty());
+    }
+
+    #[test]
+    fn readiness_names_every_reason_and_tolerates_a_pool_inside_its_backoff() {
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let r = readiness(&status.read().unwrap());
+        assert!(
+            r.iter().any(|r| r.contains("no reconcile cycle"))
+                && r.iter().any(|r| r.contains("not connected to the broker")),
+            "{r:?}"
+        );
+        show_connections(&status, &m, Reach::NoBroker);
+        assert!(m.render().contains("vq_broker_connected 0"));
+        assert_eq!(
+            readiness(&status.read().unwrap()),
+            ["not connected to the broker"]
+        );
+        show_connections(&status, &m, Reach::Both(Some("cannot list: HTTP 503")));
+        assert!(m.render().contains("vq_broker_connected 1"));
+        assert_eq!(
+            readiness(&status.read().unwrap()),
+            ["the cloud cannot be read: cannot list: HTTP 503"]
+        );
+        show_connections(&status, &m, Reach::Both(None));
+        let fail = |attempts, permanent| PoolFailure {
+            error: "cannot read the depth of queue vq.jobs.cms".into(),
+            attempts,
+            permanent,
+            observed: false,
+        };
+        for attempts in 1..NOT_READY_AFTER_FAILURES {
+            show_failure(&status, &m, "cms", fail(attempts, false));
+            assert!(
+                readiness(&status.read().unwrap()).is_empty(),
+                "backing off after {attempts} failure(s)"
+            );
+        }
+        show_failure(&status, &m, "cms", fail(NOT_READY_AFTER_FAILURES, false));
+        let r = readiness(&status.read().unwrap());
+        assert!(
+            r.len() == 1 && r[0].starts_with("pool cms: 3 failed") && r[0].contains("vq.jobs.cms"),
+            "{r:?}"
+        );
+        show_success(&status, "cms");
+        assert!(readiness(&status.read().unwrap()).is_empty());
+        show_failure(&status, &m, "cms", fail(1, true));
+        let r = readiness(&status.read().unwrap());
+        assert!(r.len() == 1 && r[0].contains("permanent"), "{r:?}");
+    }
 }

@@ -76,6 +76,7 @@ impl CloudApi for FakeCloud {
         Ok(Quota {
             max_instances: self.max_instances,
             used_instances: self.servers.lock().unwrap().len() as u32,
+            ..Quota::default()
         })
     }
 }

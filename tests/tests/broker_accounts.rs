@@ -1,6 +1,7 @@
 //! Broker accounts: a controller whose account lacks a documented
-//! permission says which one, in its log, `/status` and `/healthz` (503),
-//! and is healthy again once the permission is granted.
+//! permission says which one, in its log, `/status` and `/readyz` (503;
+//! `/healthz`, liveness, stays 200), and is ready again once the permission
+//! is granted.
 //!
 //! Uses the machine's shared broker and `rabbitmqctl` (root):
 //! `cargo test -p vq-tests --test broker_accounts -- --include-ignored`.
@@ -45,7 +46,7 @@ async fn wait_http(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root (rabbitmqctl)"]
-async fn a_controller_lacking_write_on_the_control_exchange_is_unhealthy_and_names_the_permission(
+async fn a_controller_lacking_write_on_the_control_exchange_is_not_ready_and_names_the_permission(
 ) -> anyhow::Result<()> {
     if !require_root() {
         return Ok(());
@@ -70,22 +71,28 @@ async fn a_controller_lacking_write_on_the_control_exchange_is_unhealthy_and_nam
     let controller =
         start_controller_on_empty_cloud_at(&url, &cluster, pool, "info", &listen).await?;
     let client = reqwest::Client::new();
-    let healthz = format!("http://{listen}/healthz");
+    let readyz = format!("http://{listen}/readyz");
+    let exchange = format!("{cluster}.control");
+    // Not ready before the first cycle, too: wait for the refusal itself.
     let (code, body) = wait_http(
         &client,
-        &healthz,
+        &readyz,
         Duration::from_secs(30),
-        "an unhealthy /healthz",
-        |code, _| code != 200,
+        "a /readyz naming the refusal",
+        |code, body| code != 200 && body.contains("ACCESS_REFUSED"),
     )
     .await?;
-    let exchange = format!("{cluster}.control");
-    ensure!(code == 503, "/healthz answered {code}: {body}");
+    ensure!(code == 503, "/readyz answered {code}: {body}");
     ensure!(
         body.contains("ACCESS_REFUSED")
             && body.contains(&format!("write permission on exchange '{exchange}'"))
             && body.contains(&ctl.user),
-        "/healthz must name the missing permission: {body}"
+        "/readyz must name the missing permission: {body}"
+    );
+    let (code, body) = get(&client, &format!("http://{listen}/healthz")).await?;
+    ensure!(
+        code == 200 && body == "ok",
+        "/healthz is liveness only: {code} {body}"
     );
     let (_, status) = get(&client, &format!("http://{listen}/status")).await?;
     let status: serde_json::Value = serde_json::from_str(&status)?;
@@ -103,14 +110,14 @@ async fn a_controller_lacking_write_on_the_control_exchange_is_unhealthy_and_nam
         "/status pools.{pool}.last_error: {status}"
     );
 
-    // Granted the documented permissions, it is healthy again.
+    // Granted the documented permissions, it is ready again.
     accounts::create(&[ctl], Clusters::Named(&cluster), accounts::import_shared)?;
     wait_http(
         &client,
-        &healthz,
+        &readyz,
         Duration::from_secs(60),
-        "a healthy /healthz after the permission was granted",
-        |code, body| code == 200 && body == "ok",
+        "a ready /readyz after the permission was granted",
+        |code, body| code == 200 && body == "ready",
     )
     .await?;
 

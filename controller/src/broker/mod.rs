@@ -1,6 +1,7 @@
 //! The controller's RabbitMQ side: one long-lived connection that declares
 //! the topology, listens to agent events (`agent.#`: heartbeats, delete
-//! answers, drained notices) and bridge demand, reads pool queue depths and
+//! answers, drained notices), job events (`job.#`, counted in the
+//! metrics only) and bridge demand, reads pool queue depths and
 //! publishes control messages to agents.
 //!
 //! What the consumers hear goes into the event book ([`crate::events`]);
@@ -21,6 +22,7 @@
 //! Dead letters: see [`crate::dead_watch`].
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -33,12 +35,13 @@ use tokio::time::Instant;
 use vq_common::amqp::{self, bounded, AmqpError};
 use vq_common::config::BrokerConfig;
 use vq_common::messages::{Control, Message};
-use vq_common::topology::{Topology, ALL_AGENT_EVENTS};
+use vq_common::topology::{Topology, ALL_AGENT_EVENTS, ALL_JOB_EVENTS};
 
 pub use crate::dead_watch::broker_dead_letter_event;
 use crate::dead_watch::watch_dead_letters;
 use crate::events::{consume_demand, consume_events, watch_blocked};
 pub use crate::events::{record_event, remember_ask, EventSnapshot, Shared, AGENT_RECORD_TTL_SECS};
+use crate::metrics::Metrics;
 
 pub mod entries;
 pub mod lease;
@@ -61,6 +64,9 @@ pub struct Broker {
     pools: Vec<String>,
     session: Mutex<Option<Session>>,
     shared: Arc<StdMutex<Shared>>,
+    metrics: Arc<Metrics>,
+    /// Whether a session was ever established (later ones are reconnects).
+    connected_once: AtomicBool,
 }
 
 impl std::fmt::Debug for Broker {
@@ -82,7 +88,16 @@ impl Broker {
             pools,
             session: Mutex::new(None),
             shared: Arc::new(StdMutex::new(Shared::default())),
+            metrics: Arc::new(Metrics::new()),
+            connected_once: AtomicBool::new(false),
         }
+    }
+
+    /// Counts reconnects, job events and dead letters in `metrics`
+    /// (instead of a private registry).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The broker user this client logs in as and stamps as `user_id` on
@@ -144,6 +159,9 @@ impl Broker {
             broker = %vq_common::config::redact_url(&self.cfg.url),
             "connected to the broker, topology declared, listening to agent events and demand"
         );
+        if self.connected_once.swap(true, Ordering::Relaxed) {
+            self.metrics.broker_reconnects.inc();
+        }
         *guard = Some(Session {
             conn,
             channel,
@@ -165,12 +183,17 @@ impl Broker {
             &ch,
             "",
             &self.topo.events_exchange(),
-            &[ALL_AGENT_EVENTS],
+            &[ALL_AGENT_EVENTS, ALL_JOB_EVENTS],
             "vq-controller-events",
         )
         .await?;
         let shared = self.shared.clone();
-        Ok(tokio::spawn(consume_events(consumer, shared, ch)))
+        Ok(tokio::spawn(consume_events(
+            consumer,
+            shared,
+            self.metrics.clone(),
+            ch,
+        )))
     }
 
     async fn start_demand(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
@@ -204,6 +227,7 @@ impl Broker {
             self.topo.clone(),
             Duration::from_secs(self.cfg.confirm_timeout_secs),
             self.shared.clone(),
+            self.metrics.clone(),
         )))
     }
 

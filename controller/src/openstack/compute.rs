@@ -167,11 +167,15 @@ impl HttpCloud {
                 .header("Accept", "application/json")
                 .send()
                 .await
-                .map_err(|source| CloudError::Transport {
-                    op: op.clone(),
-                    source,
+                .map_err(|source| {
+                    self.count(&op, None);
+                    CloudError::Transport {
+                        op: op.clone(),
+                        source,
+                    }
                 })?;
             let status = resp.status();
+            self.count(&op, Some(status.as_u16()));
             if status == StatusCode::UNAUTHORIZED && !renewed {
                 renewed = true;
                 continue;
@@ -335,17 +339,20 @@ impl CloudApi for HttpCloud {
                 op: op.clone(),
                 detail: "no limits.absolute".into(),
             })?;
-        let max = abs.get("maxTotalInstances").and_then(Value::as_i64);
-        let used = abs
-            .get("totalInstancesUsed")
-            .and_then(Value::as_i64)
-            .unwrap_or(0);
+        // A limit that is absent or -1 is unlimited; a usage absent is 0.
+        let limit = |k: &str| match abs.get(k).and_then(Value::as_i64) {
+            Some(m) if m >= 0 => Some(m as u64),
+            _ => None,
+        };
+        let used = |k: &str| abs.get(k).and_then(Value::as_i64).unwrap_or(0).max(0) as u64;
+        let small = |v: u64| v.min(u64::from(u32::MAX)) as u32;
         Ok(Quota {
-            max_instances: match max {
-                Some(m) if m >= 0 => Some(m.min(u32::MAX as i64) as u32),
-                _ => None,
-            },
-            used_instances: used.clamp(0, u32::MAX as i64) as u32,
+            max_instances: limit("maxTotalInstances").map(small),
+            used_instances: small(used("totalInstancesUsed")),
+            max_cores: limit("maxTotalCores").map(small),
+            used_cores: small(used("totalCoresUsed")),
+            max_ram_mib: limit("maxTotalRAMSize"),
+            used_ram_mib: used("totalRAMUsed"),
         })
     }
 }

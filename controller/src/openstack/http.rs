@@ -4,6 +4,7 @@
 //! message of an error response.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{RequestBuilder, Response, StatusCode};
@@ -15,6 +16,7 @@ use vq_common::messages::unix_now;
 
 use super::{parse_timestamp, Credentials, DEFAULT_COMPUTE_MICROVERSION, TOKEN_RENEW_MARGIN_SECS};
 use crate::error::CloudError;
+use crate::metrics::Metrics;
 
 /// A Keystone token and the endpoints its catalog gave.
 #[derive(Debug, Clone)]
@@ -37,6 +39,8 @@ pub struct HttpCloud {
     pub(super) flavors: Mutex<BTreeMap<String, String>>,
     /// Image ids by configured name ([`super::lookup`]).
     pub(super) images: Mutex<BTreeMap<String, String>>,
+    /// Where requests are counted (`vq_cloud_requests_total`), if anywhere.
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl std::fmt::Debug for HttpCloud {
@@ -163,7 +167,21 @@ impl HttpCloud {
             session: Mutex::new(None),
             flavors: Mutex::new(BTreeMap::new()),
             images: Mutex::new(BTreeMap::new()),
+            metrics: None,
         })
+    }
+
+    /// Counts every request in `metrics` (`vq_cloud_requests_total{op,status}`).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Counts request `op` answered `status` (`None`: no response).
+    pub(super) fn count(&self, op: &str, status: Option<u16>) {
+        if let Some(m) = &self.metrics {
+            m.cloud_request(op, status);
+        }
     }
 
     /// The credentials in use.
@@ -184,11 +202,15 @@ impl HttpCloud {
             .json(&self.creds.token_request())
             .send()
             .await
-            .map_err(|source| CloudError::Transport {
-                op: op.clone(),
-                source,
+            .map_err(|source| {
+                self.count(&op, None);
+                CloudError::Transport {
+                    op: op.clone(),
+                    source,
+                }
             })?;
         let status = resp.status();
+        self.count(&op, Some(status.as_u16()));
         if !status.is_success() {
             return Err(status_error(op, resp).await);
         }
@@ -273,11 +295,15 @@ impl HttpCloud {
                 .header("Accept", "application/json")
                 .send()
                 .await
-                .map_err(|source| CloudError::Transport {
-                    op: op.into(),
-                    source,
+                .map_err(|source| {
+                    self.count(op, None);
+                    CloudError::Transport {
+                        op: op.into(),
+                        source,
+                    }
                 })?;
             let status = resp.status();
+            self.count(op, Some(status.as_u16()));
             if status.is_success() || ok_also.contains(&status) {
                 return Ok(resp);
             }

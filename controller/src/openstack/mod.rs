@@ -149,13 +149,21 @@ pub struct CreateServer {
     pub availability_zone: Option<String>,
 }
 
-/// Instance quota of the project.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Compute quota of the project (Nova's absolute limits).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Quota {
     /// `maxTotalInstances`; `None` when unlimited (-1).
     pub max_instances: Option<u32>,
     /// `totalInstancesUsed`.
     pub used_instances: u32,
+    /// `maxTotalCores`; `None` when unlimited or not reported.
+    pub max_cores: Option<u32>,
+    /// `totalCoresUsed`.
+    pub used_cores: u32,
+    /// `maxTotalRAMSize`, MiB; `None` when unlimited or not reported.
+    pub max_ram_mib: Option<u64>,
+    /// `totalRAMUsed`, MiB.
+    pub used_ram_mib: u64,
 }
 
 impl Quota {

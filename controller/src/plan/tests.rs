@@ -33,6 +33,7 @@ fn agent(running: u32, idle_secs: f64, hb_age: f64) -> AgentSeen {
             AgentState::Idle
         },
         running,
+        slots: running.max(1),
         is_del: false,
         idle_secs,
         answer: None,
@@ -400,6 +401,7 @@ fn arb_agent() -> impl Strategy<Value = AgentSeen> {
                 _ => AgentState::Drained,
             },
             running,
+            slots: running.max(1),
             is_del,
             idle_secs: idle,
             answer: ans.map(|(a, m, r, matched)| AnswerSeen {
