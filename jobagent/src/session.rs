@@ -284,16 +284,23 @@ async fn run_session(
                 what: "publishing connection",
             });
         }
-        if consumer.is_none() && *proven && ctx.shared.wants_pull() && !blocked {
-            let free = ctx.shared.free_slots();
-            if free > 0 {
-                consumer = Some(start_consumer(ctx, &jobs_ch, free).await?);
+        let now = Pull {
+            consuming: consumer.is_some(),
+            proven: *proven,
+            wants_pull: ctx.shared.wants_pull(),
+            blocked,
+            free: ctx.shared.free_slots(),
+        };
+        match now.step() {
+            PullStep::Start { prefetch } => {
+                consumer = Some(start_consumer(ctx, &jobs_ch, prefetch).await?);
             }
-        }
-        if ctx.shared.is_full() || !ctx.shared.wants_pull() || blocked {
-            if let Some(c) = consumer.take() {
-                stop_consumer(ctx, &jobs_ch, c).await?;
+            PullStep::Stop => {
+                if let Some(c) = consumer.take() {
+                    stop_consumer(ctx, &jobs_ch, c).await?;
+                }
             }
+            PullStep::Keep => {}
         }
         tokio::select! {
             biased;
@@ -359,6 +366,49 @@ async fn run_session(
                     }
                 }
             }
+        }
+    }
+}
+
+/// What the session loop knows when it decides about the pool consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pull {
+    /// A pool consumer is running.
+    consuming: bool,
+    /// The broker confirmed this session's first heartbeat.
+    proven: bool,
+    /// The agent's mode takes jobs ([`crate::state::Mode`]: pulling).
+    wants_pull: bool,
+    /// The broker blocks the publishing connection (resource alarm).
+    blocked: bool,
+    /// Free job slots.
+    free: usize,
+}
+
+/// What to do with the pool consumer ([`Pull::step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PullStep {
+    /// Start consuming with `prefetch` = the free slots.
+    Start { prefetch: usize },
+    /// Cancel the consumer (its unclaimed deliveries go back).
+    Stop,
+    /// Leave it as it is.
+    Keep,
+}
+
+impl Pull {
+    /// The one rule: consume only in a proven session, in a mode that
+    /// takes jobs, with a slot free and publishing not blocked (a claim
+    /// starts with a confirmed publish); otherwise cancel a running
+    /// consumer, so that nothing is delivered that cannot be claimed.
+    fn step(self) -> PullStep {
+        let may = self.proven && self.wants_pull && !self.blocked && self.free > 0;
+        match (self.consuming, may) {
+            (false, true) => PullStep::Start {
+                prefetch: self.free,
+            },
+            (true, false) => PullStep::Stop,
+            _ => PullStep::Keep,
         }
     }
 }
@@ -644,4 +694,57 @@ async fn on_control(
         },
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Pull, PullStep};
+
+    const READY: Pull = Pull {
+        consuming: false,
+        proven: true,
+        wants_pull: true,
+        blocked: false,
+        free: 2,
+    };
+
+    #[test]
+    fn a_proven_pulling_session_with_free_slots_consumes_with_prefetch_free() {
+        assert_eq!(READY.step(), PullStep::Start { prefetch: 2 });
+        let running = Pull {
+            consuming: true,
+            ..READY
+        };
+        assert_eq!(running.step(), PullStep::Keep);
+    }
+
+    #[test]
+    fn nothing_is_consumed_before_the_first_heartbeat_is_confirmed() {
+        let unproven = Pull {
+            proven: false,
+            ..READY
+        };
+        assert_eq!(unproven.step(), PullStep::Keep);
+    }
+
+    #[test]
+    fn a_full_blocked_or_leaving_agent_stops_its_consumer_and_starts_none() {
+        let full = Pull { free: 0, ..READY };
+        let blocked = Pull {
+            blocked: true,
+            ..READY
+        };
+        let leaving = Pull {
+            wants_pull: false,
+            ..READY
+        };
+        for p in [full, blocked, leaving] {
+            assert_eq!(p.step(), PullStep::Keep, "{p:?}");
+            let running = Pull {
+                consuming: true,
+                ..p
+            };
+            assert_eq!(running.step(), PullStep::Stop, "{running:?}");
+        }
+    }
 }
