@@ -263,6 +263,13 @@ pub enum AgentError {
         /// What ended, e.g. `pool queue consumer`.
         what: &'static str,
     },
+    /// The agent ends the session itself to resolve `what` on a new one
+    /// (DESIGN.md, "Unknown outcomes").
+    #[error("ending the session to resolve {what} on a new one")]
+    Resolving {
+        /// What is resolved, e.g. `an outcome (a lost confirm …)`.
+        what: &'static str,
+    },
     /// The state directory could not be created.
     #[error("cannot create state directory {path}")]
     StateDir {

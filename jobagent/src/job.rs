@@ -214,11 +214,18 @@ pub(crate) async fn handle_delivery(
 /// session that fails a claim returns a delivery to the pool, spending the
 /// pool queue's delivery limit.
 fn end_session(ctx: &Ctx, why: &str, error: &AmqpError) {
-    warn!(
-        why,
-        "ending the broker session: an outcome is unknown and is resolved on the next session"
-    );
-    if !error.is_transient() {
+    if error.is_transient() {
+        warn!(
+            why,
+            "ending the broker session: an outcome is unknown and is resolved on the next session"
+        );
+    } else {
+        let refused = error.access_refused().unwrap_or_else(|| chain(error));
+        warn!(
+            why,
+            refused = %refused,
+            "the broker refused a claim step: ending the broker session; the next one waits longer and must prove the permissions before it pulls"
+        );
         ctx.session_refused
             .store(true, std::sync::atomic::Ordering::SeqCst);
     }
@@ -244,7 +251,7 @@ async fn claim_and_run(
     pool_queue: &str,
 ) {
     let key = ticket.key.clone();
-    let generation = *ctx.session.borrow();
+    let mut generation = *ctx.session.borrow();
     ctx.shared.set_cancellers(&key, ticket.cancellers());
     // 1. The lease copy. It records the claim and the submitter this job
     // was judged by, so that a recovery on this VM judges it the same way.
@@ -293,11 +300,17 @@ async fn claim_and_run(
                 warn!(error = %chain(&e), "claim marker not confirmed: declaring it again on the next session");
                 end_session(ctx, "claim marker not confirmed", &e);
                 same_session = false;
-                if next_session(ctx, generation).await.is_none() {
-                    // Stopping: the marker (if made) names this agent; the
-                    // lease copy is recovered at the next start.
-                    ctx.shared.release(&key);
-                    return;
+                // Once per session: the generation waited for is the one
+                // the last attempt ran in (else every later failure would
+                // find "a newer session" at once and spin).
+                match next_session(ctx, generation).await {
+                    Some(g) => generation = g,
+                    None => {
+                        // Stopping: the marker (if made) names this agent;
+                        // the lease copy is recovered at the next start.
+                        ctx.shared.release(&key);
+                        return;
+                    }
                 }
             }
         }

@@ -89,8 +89,8 @@ impl Links {
 /// Keeps a broker session up until `stop`, announcing it on `links`.
 ///
 /// Between sessions it waits [`RECONNECT`]'s delay. The delay starts over
-/// only after a *proven* session (one whose first heartbeat the broker
-/// confirmed, see [`run_session`]) that did not end by a broker refusal;
+/// only after a *proven* session (one that proved the permissions a claim
+/// needs, see [`prove_session`]) that did not end by a broker refusal;
 /// a session that could not publish, or that a refusal ended (a missing
 /// permission, inequivalent arguments), makes the next wait longer, so a
 /// permanent fault costs one attempt per backoff step, not two a second.
@@ -237,18 +237,31 @@ async fn run_session(
     ctx.session.send_modify(|g| *g += 1);
     register(ctx, &pub_ch).await?;
     scan_leases(ctx).await?;
-    tokio::select! {
-        _ = ctx.shared.wait_settled() => {}
-        _ = stop.cancelled() => return Ok(()),
+    // A claim that cannot settle on this session (its marker declaration
+    // failed again) asks for the next one: wait for that as well, or the
+    // claim would wait for a session that waits for it.
+    loop {
+        if ctx
+            .restart_session
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(AgentError::Resolving {
+                what: "a claim left unsettled by the previous session",
+            });
+        }
+        tokio::select! {
+            _ = ctx.shared.wait_settled() => break,
+            _ = ctx.shared.pull_changed.notified() => {}
+            _ = stop.cancelled() => return Ok(()),
+        }
     }
     info!(pool = %pool, agent = %ctx.agent, "connected to the broker");
-    // The session pulls only after the broker confirmed its first
-    // heartbeat: a claim needs the events exchange (`started`, results),
-    // and a job delivered to a session that cannot publish there would go
-    // back to the pool, spending its delivery limit, on every attempt.
-    // Concurrent with the loop, so that control messages are answered
-    // while the broker blocks publishing (resource alarm).
-    let mut probe = Some(Box::pin(first_heartbeat(ctx)));
+    // The session pulls only after it proved every permission a claim
+    // needs ([`prove_session`]): a job delivered to a session that cannot
+    // claim and report it goes back to the pool, spending its delivery
+    // limit, on every attempt. Concurrent with the loop, so that control
+    // messages are answered while the broker blocks publishing (alarm).
+    let mut probe = Some(Box::pin(prove_session(ctx)));
 
     let mut consumer: Option<Consumer> = None;
     let mut tick = tokio::time::interval(TICK);
@@ -269,8 +282,8 @@ async fn run_session(
             .swap(false, std::sync::atomic::Ordering::SeqCst)
         {
             drop(follower);
-            return Err(AgentError::Lost {
-                what: "an outcome (lost confirm or reply): resolving it on a new session",
+            return Err(AgentError::Resolving {
+                what: "an outcome (a lost confirm or reply, or a refused claim step)",
             });
         }
         // Pull only while the publishing side is up: a claim starts with a
@@ -309,7 +322,7 @@ async fn run_session(
                 probe = None;
                 r?;
                 *proven = true;
-                debug!("first heartbeat of the session confirmed");
+                debug!("the session proved its permissions: pulling allowed");
             }
             d = next_delivery(&mut consumer) => match d {
                 Some(Ok(delivery)) => {
@@ -375,7 +388,7 @@ async fn run_session(
 struct Pull {
     /// A pool consumer is running.
     consuming: bool,
-    /// The broker confirmed this session's first heartbeat.
+    /// The session proved its permissions ([`prove_session`]).
     proven: bool,
     /// The agent's mode takes jobs ([`crate::state::Mode`]: pulling).
     wants_pull: bool,
@@ -413,13 +426,18 @@ impl Pull {
     }
 }
 
-/// Publishes the session's first heartbeat and waits for its confirm
-/// (bounded by the publisher's timeout of unblocked time).
+/// Proves, before the session pulls, the permissions a claim needs, each
+/// with an operation that leaves nothing behind: the session's first
+/// heartbeat (write on `<c>.events`, where `started` and results go), a
+/// confirmed publish to `<c>.lease` that routes nowhere (write there, for
+/// lease copies), and a claim marker declared and deleted under a name no
+/// job id can have (`<c>.claim..probe.<agent>`: job ids never start with
+/// `.`; configure on `<c>.claim.*`).
 ///
 /// # Errors
-/// [`AgentError::Amqp`]: e.g. 403 ACCESS_REFUSED when the account lacks
-/// write on `<c>.events` (the broker's text names the exchange and user).
-async fn first_heartbeat(ctx: &Ctx) -> Result<(), AgentError> {
+/// [`AgentError::Amqp`]: e.g. 403 ACCESS_REFUSED naming the exchange or
+/// queue and the user, when the account lacks a documented permission.
+async fn prove_session(ctx: &Ctx) -> Result<(), AgentError> {
     let hb = crate::heartbeat::heartbeat(ctx);
     ctx.publisher
         .publish_once(
@@ -429,6 +447,17 @@ async fn first_heartbeat(ctx: &Ctx) -> Result<(), AgentError> {
             vq_common::amqp::json_properties::<vq_common::messages::Heartbeat>(),
         )
         .await?;
+    ctx.publisher
+        .publish_once(
+            &ctx.topo.lease_exchange(),
+            ".probe",
+            b"",
+            lapin::BasicProperties::default(),
+        )
+        .await?;
+    let probe = format!(".probe.{}", ctx.agent);
+    ctx.markers.claim(&probe, "probe").await?;
+    ctx.markers.delete(&probe).await?;
     Ok(())
 }
 
@@ -719,7 +748,7 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_consumed_before_the_first_heartbeat_is_confirmed() {
+    fn nothing_is_consumed_before_the_session_proved_its_permissions() {
         let unproven = Pull {
             proven: false,
             ..READY

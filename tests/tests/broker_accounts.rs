@@ -194,37 +194,38 @@ fn log_count(path: &std::path::Path, needle: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// An agent whose account cannot publish events (a site's permission
-/// mistake) never takes a job it could not report: each session fails at
-/// its first confirmed heartbeat, before it consumes, and sessions that
-/// end quickly back off. The job stays in its pool, never delivered, and
-/// runs once when the permission is granted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root (rabbitmqctl)"]
-async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> anyhow::Result<()> {
+/// An agent whose account lacks a permission a claim needs (a site's
+/// mistake) never takes a job it could not claim or report: each session
+/// fails while proving its permissions, before it consumes, and sessions
+/// that end so back off. The job stays in its pool, never delivered, and
+/// runs once when the permission is granted. `lacking` is the agent's
+/// documented permissions minus one; `refused` the resource the agent's
+/// log must name.
+async fn agent_lacking(
+    tag: &str,
+    lacking: impl FnOnce(&str, &mut Permissions),
+    refused: impl FnOnce(&str, &str) -> String,
+) -> anyhow::Result<()> {
     use lapin::options::{BasicGetOptions, BasicRejectOptions};
     use vq_tests::harness::{ensure_test_user, job, AgentLaunch};
-    if !require_root() {
-        return Ok(());
-    }
     let alice = ensure_test_user("vqt-alice", 2001)?;
     let cluster = unique_cluster();
-    let pool = "noev";
-    // The agent's documented permissions, minus write on <c>.events.
-    let mut lacking = Permissions::for_role(Role::Agent, &cluster);
-    lacking.write = format!(r"^{cluster}\.(dead|lease|agents|(jobs|lease|control)\.[^.]+)$");
-    let agent_acct = accounts::account(Role::Agent, "vqt-noev-agent");
-    accounts::create_with(&[(agent_acct.clone(), lacking)], accounts::import_shared)?;
+    let pool = "noperm";
+    let mut perms = Permissions::for_role(Role::Agent, &cluster);
+    lacking(&cluster, &mut perms);
+    let agent_acct = accounts::account(Role::Agent, &format!("vqt-{tag}-agent"));
+    accounts::create_with(&[(agent_acct.clone(), perms)], accounts::import_shared)?;
     let url = shared_broker()?.url_of(&agent_acct);
 
     let broker = TestBroker::connect(&cluster, &[pool]).await?;
     let mut tap = broker.tap_events().await?;
-    let j = job(pool, &alice.name, "noev", "echo ran-once\n");
+    let j = job(pool, &alice.name, tag, "echo ran-once\n");
     broker.publish_job(&j).await?;
 
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("agent.log");
     let agent_id = format!("{cluster}-a1");
+    let refused = refused(&cluster, &agent_id);
     let launch = AgentLaunch {
         url: &url,
         cluster: &cluster,
@@ -255,8 +256,8 @@ async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> any
     ensure!(
         text.lines().any(|l| l.contains("vq_jobagent")
             && l.contains("ACCESS_REFUSED")
-            && l.contains(&format!("{cluster}.events"))),
-        "the agent's log must name the refused exchange:\n{text}"
+            && l.contains(&refused)),
+        "the agent's log must name the refused {refused}:\n{text}"
     );
     // Backed off: the waits between sessions grew (each in [c/2, c] for
     // c = 0.5 s, 1 s, 2 s, 4 s), so 5 sessions took at least 3.75 s; at a
@@ -326,6 +327,54 @@ async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> any
     ensure!(tap.events(&j.id, "started").len() == 1, "started once");
     broker.cleanup().await;
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_agent_that_cannot_publish_events_takes_no_job_and_backs_off() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    agent_lacking(
+        "noev",
+        |c, p| p.write = format!(r"^{c}\.(dead|lease|agents|(jobs|lease|control)\.[^.]+)$"),
+        |c, _| format!("exchange '{c}.events'"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_agent_that_cannot_write_lease_copies_takes_no_job_and_backs_off() -> anyhow::Result<()>
+{
+    if !require_root() {
+        return Ok(());
+    }
+    agent_lacking(
+        "nolease",
+        |c, p| p.write = format!(r"^{c}\.(events|dead|agents|(jobs|lease|control)\.[^.]+)$"),
+        |c, _| format!("exchange '{c}.lease'"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_agent_that_cannot_declare_claim_markers_takes_no_job_and_backs_off(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    agent_lacking(
+        "noclaim",
+        |c, p| {
+            p.configure = format!(
+                r"^{c}\.(jobs|dead|events|demand|control|lease|agents|(jobs|lease|control)\.[^.]+)$"
+            )
+        },
+        |c, agent| format!("queue '{c}.claim..probe.{agent}'"),
+    )
+    .await
 }
 
 /// Seconds since midnight of a tracing timestamp such as
