@@ -482,7 +482,7 @@ check "image: controller booted a server on vq-cloudsim whose packaged agent hea
 
 say "5. examples"
 python3 - "$ROOT/packaging/container/compose.yaml" "$ROOT/packaging/container/kubernetes.yaml" <<'EOF' \
-  && ok "compose.yaml and kubernetes.yaml parse; probes use /healthz" || bad "compose/kubernetes examples"
+  && ok "compose.yaml and kubernetes.yaml parse; liveness on /healthz, readiness on /readyz" || bad "compose/kubernetes examples"
 import sys, yaml
 compose = yaml.safe_load(open(sys.argv[1]))
 assert {"rabbitmq", "vq-controller"} <= set(compose["services"])
@@ -492,6 +492,7 @@ assert {"Deployment", "Secret", "Service", "StatefulSet"} <= kinds, kinds
 dep = next(d for d in docs if d["kind"] == "Deployment")
 c = dep["spec"]["template"]["spec"]["containers"][0]
 assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
 EOF
 check "kubernetes.yaml: its controller.toml and clouds.yaml pass vq-controller --check-config" \
   eval 'env -i OS_CLIENT_CONFIG_FILE="$WORK/k8s-clouds.yaml" "$RF/usr/bin/vq-controller" --check-config --config "$WORK/k8s-controller.toml" > /dev/null'
