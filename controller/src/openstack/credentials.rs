@@ -174,7 +174,8 @@ impl Credentials {
     /// a map).
     ///
     /// # Errors
-    /// [`CredentialsError`] for unreadable files, an unknown cloud, missing
+    /// [`CredentialsError`] for unreadable files (also a directory where a
+    /// clouds.yaml is looked for), an unknown cloud, missing
     /// values or an unsupported auth type.
     pub fn discover(
         section: &OpenStackSection,
@@ -190,7 +191,10 @@ impl Credentials {
         };
         let candidates = clouds_yaml_candidates(section, env);
         for path in &candidates {
-            if !path.is_file() {
+            // Only what does not exist is skipped: a directory or an
+            // unreadable file where a clouds.yaml is looked for is an error
+            // naming it, not "the cloud is not defined".
+            if !path.exists() {
                 continue;
             }
             let mut doc = read_yaml(path)?;
@@ -540,6 +544,20 @@ mod tests {
             Credentials::discover(&OpenStackSection::default(), &env),
             Err(CredentialsError::UnknownCloud { .. })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_clouds_yaml_path_that_is_not_a_file_is_an_error_naming_it() {
+        let dir = std::env::temp_dir().join(format!("vq-clouds-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.display().to_string();
+        let env = env_of(&[("OS_CLIENT_CONFIG_FILE", &path), ("OS_CLOUD", "c1")]);
+        let err = Credentials::discover(&OpenStackSection::default(), &env).unwrap_err();
+        assert!(
+            matches!(&err, CredentialsError::Read { path: p, .. } if *p == path),
+            "{err:?}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
