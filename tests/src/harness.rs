@@ -796,9 +796,7 @@ impl EventTap {
         self.seen
             .iter()
             .zip(&self.message_ids)
-            .filter(|((k, v), _)| {
-                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
-            })
+            .filter(|((k, v), _)| k.starts_with("job.") && is_final_key(k) && v["job_id"] == job_id)
             .filter(|(_, id)| id.as_ref().is_none_or(|id| ids.insert(id.clone())))
             .map(|((_, v), _)| v)
             .collect()
@@ -820,14 +818,20 @@ pub fn job_events<'a>(
         .collect()
 }
 
-/// Final results (any job event but `started`) of `job_id` among
+/// Whether job-event routing key `key` is a final result's
+/// (`finished`, `failed`, `cancelled`; not `queued` or `started`).
+pub fn is_final_key(key: &str) -> bool {
+    !key.ends_with(".started") && !key.ends_with(".queued")
+}
+
+/// Final results (any job event but `queued` and `started`) of `job_id` among
 /// `(routing key, body)` pairs.
 pub fn final_results<'a>(
     seen: &'a [(String, serde_json::Value)],
     job_id: &str,
 ) -> Vec<&'a serde_json::Value> {
     seen.iter()
-        .filter(|(k, v)| k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id)
+        .filter(|(k, v)| k.starts_with("job.") && is_final_key(k) && v["job_id"] == job_id)
         .map(|(_, v)| v)
         .collect()
 }
@@ -900,7 +904,7 @@ impl DurableTap {
     /// Distinct final results of `job_id` (any job event but `started`),
     /// deduplicated on `message_id` as consumers do.
     pub fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
-        self.distinct(job_id, |k| !k.ends_with(".started"))
+        self.distinct(job_id, is_final_key)
     }
 
     /// Number of events whose routing key ends with `suffix`.
