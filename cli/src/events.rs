@@ -10,8 +10,7 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::options::BasicAckOptions;
 use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{JobEvent, JobState, Outcome};
 use vq_common::topology::{job_event_key, Topology};
@@ -59,23 +58,11 @@ pub async fn read_job_events(
     let _ = probe.close(200, "ok".into()).await;
 
     let ch = conn.create_channel().await.map_err(op("channel.open"))?;
-    ch.basic_qos(STREAM_PREFETCH, BasicQosOptions::default())
+    let mut consumer = amqp::consume_stream_from_first(&ch, &queue, "vq-stat", STREAM_PREFETCH)
         .await
-        .map_err(op("basic.qos"))?;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-stream-offset".into(),
-        AMQPValue::LongString(LongString::from("first")),
-    );
-    let mut consumer = ch
-        .basic_consume(
-            queue.as_str().into(),
-            "vq-stat".into(),
-            BasicConsumeOptions::default(),
-            args,
-        )
-        .await
-        .map_err(op("basic.consume"))?;
+        .map_err(CliError::broker(format!(
+            "read the job-event stream {queue}"
+        )))?;
     let mut events = Vec::new();
     let deadline = tokio::time::Instant::now() + STREAM_READ_LIMIT;
     let mut unacked = 0u32;
@@ -480,7 +467,7 @@ pub(crate) mod tests {
         assert_eq!(letters, "CXFR");
         assert_eq!(s[0].exit, Some(2));
         assert_eq!(s[0].elapsed(1000.0), Some(10));
-        assert_eq!(s[1].exit, Some(-12));
+        assert_eq!(s[1].exit, Some(271));
         assert_eq!(s[2].reason.as_deref(), Some("no user"));
         assert_eq!(s[3].elapsed(150.0), Some(10));
         assert_eq!(s[3].agent, "ag3");

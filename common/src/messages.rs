@@ -203,16 +203,23 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// PBS-style exit status: the exit code, `256 + signal` for a signal
-    /// (Torque's convention), `-11` walltime, `-12` cancelled, `-13` output
-    /// limit, `-1` failed to start.
+    /// Torque's exit status (`qstat -f` `exit_status`): the exit code,
+    /// `256 + signal` for a job killed by a signal, `-11` for walltime
+    /// (`JOB_EXEC_OVERLIMIT_WT`), `-1` for a job that could not start
+    /// (`JOB_EXEC_FAIL1`); a job cancelled while running shows `271`
+    /// (`256 + SIGTERM`, what Torque shows after `qdel`); a job stopped at
+    /// the output limit (Torque has no such limit; the agent kills it)
+    /// shows `265` (`256 + SIGKILL`). Negative codes are used only with
+    /// Torque's meanings (`src/include/job.h`, `JOB_EXEC_*`).
     pub fn exit_status(&self) -> i32 {
+        const SIGTERM: i32 = 15;
+        const SIGKILL: i32 = 9;
         match self {
             Outcome::Exited { code } => *code,
             Outcome::Signaled { signal } => 256 + signal,
             Outcome::Walltime => -11,
-            Outcome::Cancelled => -12,
-            Outcome::OutputLimit => -13,
+            Outcome::Cancelled => 256 + SIGTERM,
+            Outcome::OutputLimit => 256 + SIGKILL,
             Outcome::FailedToStart { .. } => -1,
         }
     }
@@ -802,5 +809,14 @@ mod tests {
         };
         assert_eq!(s.routing_word(), "cancelled");
         assert_eq!(Outcome::Signaled { signal: 9 }.exit_status(), 265);
+        // Torque's codes: qdel of a running job 271, walltime -11 (not
+        // -12, which is Torque's CPU-time limit).
+        assert_eq!(Outcome::Cancelled.exit_status(), 271);
+        assert_eq!(Outcome::Walltime.exit_status(), -11);
+        assert_eq!(Outcome::OutputLimit.exit_status(), 265);
+        assert_eq!(
+            Outcome::FailedToStart { reason: "x".into() }.exit_status(),
+            -1
+        );
     }
 }

@@ -986,6 +986,23 @@ pub async fn start_controller_on_empty_cloud_at(
     log: &str,
     listen: &str,
 ) -> anyhow::Result<EmptyCloudController> {
+    start_controller_on_empty_cloud_with(url, cluster, pool, log, listen, "").await
+}
+
+/// [`start_controller_on_empty_cloud_at`] with `extra_toml` appended to the
+/// controller's config (after the pool's table: start it with a table
+/// header, e.g. `[jobs]`).
+///
+/// # Errors
+/// If a binary cannot be built, the cloud or the process started.
+pub async fn start_controller_on_empty_cloud_with(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    log: &str,
+    listen: &str,
+    extra_toml: &str,
+) -> anyhow::Result<EmptyCloudController> {
     use crate::cloudsim::{Sim, SimConfig};
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
@@ -1005,7 +1022,7 @@ pub async fn start_controller_on_empty_cloud_at(
         format!(
             "cluster = \"{cluster}\"\nlisten = \"{listen}\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n"
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n{extra_toml}"
         ),
     )?;
     let mut cmd = Command::new(&controller_bin);
