@@ -24,6 +24,7 @@ demo:
 test:
 	@scripts/require-root.sh test
 	@$(MAKE) --no-print-directory static-agent
+	@scripts/ensure-chromium.sh
 	@scripts/purge-test-broker.sh
 	cargo fmt --all -- --check
 	cargo build --locked --workspace --bins
