@@ -24,8 +24,10 @@ demo:
 test:
 	@scripts/require-root.sh test
 	@$(MAKE) --no-print-directory static-agent
+	@scripts/ensure-chromium.sh
 	@scripts/purge-test-broker.sh
 	cargo fmt --all -- --check
+	@scripts/check-monitoring.sh
 	cargo build --locked --workspace --bins
 	VQ_JOBAGENT_BIN=$(MUSL_AGENT) cargo test --locked --workspace --no-fail-fast -- --include-ignored
 	@scripts/purge-test-broker.sh

@@ -150,6 +150,8 @@ for f in man/man8/vq-controller.8.gz bash-completion/completions/vq-controller \
   check "vq-controller.deb: /usr/share/$f" has "$list" " \\./usr/share/$f\$"
 done
 check "vq-controller.deb: systemd unit" has "$list" ' \./(usr/)?lib/systemd/system/vq-controller\.service$'
+check "vq-controller.deb: Grafana dashboard and Prometheus rules under /usr/share/vq/ (0644)" \
+  eval 'has "$list" "^-rw-r--r-- (root/root|0/0) .* \./usr/share/vq/grafana/vq\.json$" && has "$list" "^-rw-r--r-- (root/root|0/0) .* \./usr/share/vq/prometheus/vq-rules\.yaml$"'
 check "vq-controller.deb: does not enable or start the service on install (try-restart on upgrade)" \
   eval 'ctl=$(cat "$WORK/ctrl-ctrl/postinst"); test "$(grep -c "deb-systemd-helper enable" <<<"$ctl")" = "$(grep -c "deb-systemd-helper --quiet was-enabled" <<<"$ctl")" && lacks "$ctl" "deb-systemd-invoke (start|restart) "'
 
@@ -196,6 +198,8 @@ check "vq-controller.rpm: /etc/vq/controller.toml 0640 root:vq %config(noreplace
 check "vq-controller.rpm: the vq-controller binary, not vq's files (package vq)" \
   eval 'has "$rpmfiles" "^-rwxr-xr-x root:root \(\) /usr/bin/vq-controller$" && lacks "$rpmfiles" " /usr/bin/vq$| /usr/share/man/man1/vq| /usr/share/(bash-completion/completions/vq|zsh/site-functions/_vq|fish/vendor_completions\.d/vq\.fish)$"'
 check "vq-controller.rpm: creates the vq user before install" has "$(rpm -qp --scripts "$RPM_CTRL" 2>/dev/null)" 'useradd --system'
+check "vq-controller.rpm: Grafana dashboard and Prometheus rules under /usr/share/vq/" \
+  eval 'has "$rpmfiles" "^-rw-r--r-- root:root \(\) /usr/share/vq/grafana/vq\.json$" && has "$rpmfiles" "^-rw-r--r-- root:root \(\) /usr/share/vq/prometheus/vq-rules\.yaml$"'
 check "vq-controller.rpm: Recommends vq" has "$(rpm -qp --recommends "$RPM_CTRL" 2>/dev/null)" '^vq$'
 
 rpminfo=$(rpm -qip "$RPM_CLI" 2>/dev/null)
@@ -422,6 +426,8 @@ umoci unpack --image "$IMAGE:$TAG" "$WORK/bundle" > /dev/null 2>&1 \
 RF=$WORK/bundle/rootfs
 check "rootfs: static vq-controller, CA bundle, user 65532, no shell" \
   eval 'file -b "$RF/usr/bin/vq-controller" | grep -Eq "statically linked|static-pie linked" && test -s "$RF/etc/ssl/certs/ca-certificates.crt" && grep -q "^vq:x:65532:65532:" "$RF/etc/passwd" && ! test -e "$RF/bin/sh"'
+check "rootfs: Grafana dashboard and Prometheus rules under /usr/share/vq/, as in the source tree" \
+  eval 'cmp -s "$RF/usr/share/vq/grafana/vq.json" packaging/grafana/vq.json && cmp -s "$RF/usr/share/vq/prometheus/vq-rules.yaml" packaging/prometheus/vq-rules.yaml'
 # Run as a runtime would: chroot into the rootfs with the image's user and env.
 IMG_USER=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["config"]["User"])' "$WORK/image-config.json")
 mapfile -t IMG_ENV < <(python3 -c 'import json,sys; print("\n".join(json.load(open(sys.argv[1]))["config"]["Env"]))' "$WORK/image-config.json")

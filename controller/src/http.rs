@@ -9,6 +9,8 @@
 //!   a pool failing past its first backoff steps);
 //! * `GET /status`: the [`StatusReport`] as JSON (shape documented in
 //!   [`crate::status`]);
+//! * `GET /`: the status page, HTML for a browser ([`crate::page`]),
+//!   from the same report as `/status`;
 //! * `GET /metrics`: OpenMetrics text ([`Metrics`]; README.md's
 //!   "Monitoring" lists every family);
 //! * `GET /jobs`, `GET /jobs/{id}`: the job table, for bearer-token holders
@@ -18,7 +20,7 @@ use std::sync::{Arc, RwLock};
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use tokio_util::sync::CancellationToken;
@@ -37,9 +39,10 @@ pub struct AppState {
     pub jobs: crate::jobs::http::JobsApi,
 }
 
-/// The router (`/healthz`, `/readyz`, `/status`, `/metrics`).
+/// The router (`/`, `/healthz`, `/readyz`, `/status`, `/metrics`).
 pub fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(page))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/status", get(status))
@@ -66,6 +69,11 @@ async fn readyz(State(s): State<AppState>) -> Response {
 async fn status(State(s): State<AppState>) -> Json<StatusReport> {
     let report = s.status.read().unwrap_or_else(|p| p.into_inner()).clone();
     Json(report)
+}
+
+async fn page(State(s): State<AppState>) -> Html<String> {
+    let report = s.status.read().unwrap_or_else(|p| p.into_inner()).clone();
+    Html(crate::page::render(&report))
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -176,6 +184,18 @@ mod tests {
         let body = ready.split("\r\n\r\n").nth(1).unwrap();
         assert_eq!(body.lines().count(), 2, "one reason per line: {body}");
         assert!(body.contains("not connected to the broker"), "{body}");
+        let page = get("/").await;
+        assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+        assert!(
+            page.to_ascii_lowercase()
+                .contains("content-type: text/html; charset=utf-8"),
+            "{page}"
+        );
+        assert!(
+            page.contains("<h3>Pool cms</h3>") && page.contains("<dt>queued</dt><dd>7</dd>"),
+            "{page}"
+        );
+        assert!(page.contains("not connected to the broker"), "{page}");
         let m = get("/metrics").await;
         assert!(m.contains("vq_pool_queued{pool=\"cms\"} 7"), "{m}");
         assert!(

@@ -8,7 +8,8 @@
 //! the outcome ([`status`], [`metrics`], with the boot and drain
 //! [`timings`]); [`openstack`] talks to Keystone/Nova/Glance, [`broker`]
 //! to RabbitMQ (what it hears goes into the event book, [`events`]), and
-//! [`http`] serves `/healthz`, `/readyz`, `/status` and `/metrics`.
+//! [`http`] serves `/healthz`, `/readyz`, `/status`, `/metrics` and the
+//! status page `/` ([`page`]).
 
 #![forbid(unsafe_code)]
 
@@ -24,6 +25,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod observe;
 pub mod openstack;
+pub mod page;
 pub mod plan;
 pub mod policy;
 pub mod reconcile;

@@ -20,7 +20,8 @@
 //!       "agents": {"idle": 0, "busy": 3, "draining": 0},
 //!       "servers": [
 //!         {"id": "…", "name": "vq-cms-1a2b3c4d", "status": "ACTIVE",
-//!          "agent_state": "busy", "running": 1}
+//!          "agent_state": "busy", "running": 1, "age_secs": 600,
+//!          "heartbeat_age_secs": 4}
 //!       ],
 //!       "last_decisions": [
 //!         {"at": 1764412790.0, "action": "boot", "server": null,
@@ -187,6 +188,14 @@ pub struct ServerStatus {
     pub agent_state: String,
     /// Jobs the agent reported running.
     pub running: u32,
+    /// Whole seconds since Nova created the server, as of the pool's
+    /// `observed_at` (`null` if Nova did not say).
+    #[serde(default)]
+    pub age_secs: Option<u64>,
+    /// Whole seconds since the controller received the agent's last
+    /// heartbeat, as of `observed_at` (`null`: none received).
+    #[serde(default)]
+    pub heartbeat_age_secs: Option<u64>,
 }
 
 /// One decision of the planner.
@@ -278,6 +287,11 @@ pub fn publish(
             },
             agent_state: c.agent_state().into(),
             running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
+            age_secs: s.age_secs.map(|a| a.max(0.0) as u64),
+            heartbeat_age_secs: s
+                .agent
+                .as_ref()
+                .map(|a| a.heartbeat_age_secs.max(0.0) as u64),
         });
     }
     let now = unix_now();
