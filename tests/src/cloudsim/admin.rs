@@ -100,7 +100,7 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
             })
         })
         .collect();
-    axum::Json(json!({ "servers": list })).into_response()
+    axum::Json(json!({ "servers": list, "created_total": inner.created_total })).into_response()
 }
 
 async fn get_faults(State(state): State<Arc<SimState>>) -> Response {

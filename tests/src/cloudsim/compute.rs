@@ -993,6 +993,7 @@ async fn create_server(
             };
             let doomed = doomed_rate > 0.0 && rand::random::<f64>() < doomed_rate;
             inner.next_seq += 1;
+            inner.created_total += 1;
             let server = Server {
                 id: id.clone(),
                 seq: inner.next_seq,
