@@ -81,12 +81,29 @@ impl CloudError {
         match self {
             CloudError::Transport { .. } => true,
             CloudError::Status { status, .. } => {
-                matches!(status, 401 | 409 | 413 | 429) || (500..600).contains(status)
+                matches!(status, 401 | 409 | 413 | 429)
+                    || (500..600).contains(status)
+                    || self.is_quota_exceeded()
             }
             CloudError::Decode { .. }
             | CloudError::Microversion { .. }
             | CloudError::NoEndpoint { .. }
             | CloudError::Resolve { .. } => false,
+        }
+    }
+
+    /// Whether this is Nova's quota refusal (403 or 413 whose message says
+    /// "Quota exceeded"): a temporary condition (servers going away free
+    /// it), not a configuration error.
+    pub fn is_quota_exceeded(&self) -> bool {
+        match self {
+            CloudError::Status {
+                status, message, ..
+            } => {
+                matches!(status, 403 | 413)
+                    && message.to_ascii_lowercase().contains("quota exceeded")
+            }
+            _ => false,
         }
     }
 
@@ -309,4 +326,11 @@ pub enum RunError {
     /// read at start, gives a lower maximum microversion).
     #[error("cannot run against this cloud")]
     Cloud(#[source] CloudError),
+    /// `--once`: the single cycle failed for these pools (their errors are
+    /// logged and on `/status`).
+    #[error("the single cycle failed for pool(s) {}", pools.join(", "))]
+    OnceFailed {
+        /// The pools whose cycle failed.
+        pools: Vec<String>,
+    },
 }

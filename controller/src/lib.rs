@@ -15,6 +15,7 @@
 
 pub mod act;
 pub mod backoff;
+pub mod breaker;
 pub mod broker;
 pub mod dead_watch;
 pub mod error;

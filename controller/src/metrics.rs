@@ -84,6 +84,10 @@ pub struct Metrics {
     pub pool_agents: Family<Labels, Gauge>,
     /// Job slots of the pool's live agents, `free` or `used`.
     pub pool_slots: Family<Labels, Gauge>,
+    /// 1 while the pool's boot circuit breaker is open or half-open.
+    pub pool_breaker_open: Family<Labels, Gauge>,
+    /// The pool's consecutive boot failures.
+    pub pool_boot_failures: Family<Labels, Gauge>,
 }
 
 /// The agent states of `vq_pool_agents{state}`.
@@ -223,6 +227,8 @@ impl Metrics {
             quota_limit: Family::default(),
             pool_agents: Family::default(),
             pool_slots: Family::default(),
+            pool_breaker_open: Family::default(),
+            pool_boot_failures: Family::default(),
         };
         m.build_info
             .get_or_create(&vec![
@@ -359,6 +365,16 @@ impl Metrics {
             "vq_pool_slots",
             "Job slots of the pool's live agents, free or used (absent while unobserved)",
             m.pool_slots.clone(),
+        );
+        registry.register(
+            "vq_pool_breaker_open",
+            "1 while the pool's boot circuit breaker is open or half-open (it boots at most one trial server), else 0",
+            m.pool_breaker_open.clone(),
+        );
+        registry.register(
+            "vq_pool_boot_failures",
+            "The pool's consecutive boot failures (failed creates, servers in ERROR or stuck in BUILD; 0 after a boot that reached ACTIVE)",
+            m.pool_boot_failures.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -18,6 +18,7 @@ use vq_common::config::PoolConfig;
 use vq_common::messages::{unix_now, AgentState, Demand};
 use vq_common::topology::Topology;
 
+use crate::breaker::BootGate;
 use crate::broker::{BrokerApi, EventSnapshot};
 use crate::error::ObserveError;
 pub use crate::events::{AgentRecord, DemandMap, ASKED_KEPT};
@@ -135,6 +136,9 @@ pub struct Observed {
     /// Servers this controller created that no listing of the pool has
     /// shown yet: they count as booting (see [`CreatedWatch`]).
     pub unlisted_created: u32,
+    /// What the pool's boot-failure backoff and circuit breaker let it
+    /// boot ([`crate::breaker`]); set by the loop after observing.
+    pub boot_gate: BootGate,
 }
 
 /// Demand older than this is ignored, seconds (as the demand queue's TTL).
@@ -252,6 +256,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         since_boot_failure_secs: input.since_boot_failure_secs,
         boot_obstacle: input.boot_obstacle.map(str::to_string),
         unlisted_created: input.unlisted_created,
+        boot_gate: BootGate::Open,
     }
 }
 

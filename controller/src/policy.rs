@@ -117,6 +117,25 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_quota_403_is_temporary_and_other_403s_are_permanent() {
+        let forbidden = |message: &str| CloudError::Status {
+            op: "POST /servers".into(),
+            status: 403,
+            message: message.into(),
+            retry_after: None,
+        };
+        let quota = forbidden(
+            "Quota exceeded for instances: Requested 1, but already used 10 of 10 instances",
+        );
+        assert!(quota.is_quota_exceeded());
+        assert!(quota.is_transient(), "a quota stop is logged as permanent");
+        let policy =
+            forbidden("Policy doesn't allow os_compute_api:servers:create to be performed.");
+        assert!(!policy.is_quota_exceeded());
+        assert!(!policy.is_transient());
+    }
+
     fn timeout() -> AmqpError {
         AmqpError::Timeout {
             what: "connect".into(),

@@ -18,13 +18,14 @@ use vq_common::topology::Topology;
 
 use crate::act::{act, PoolRef};
 use crate::backoff::{PoolBackoff, POOL_BACKOFF};
+use crate::breaker::Breakers;
 use crate::broker::Broker;
 use crate::error::{ActError, CloudError, ObserveError, RunError};
 use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
 use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
 use crate::openstack::{CloudApi, Credentials, HttpCloud};
-use crate::plan::{plan, Timing};
+use crate::plan::{classify, plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
 use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
 use crate::timings::Timings;
@@ -99,6 +100,8 @@ pub struct Controller<C, B> {
     backoff: BTreeMap<String, PoolBackoff>,
     /// Cooldown instants and the servers created but not listed yet.
     memory: PoolMemory,
+    /// Each pool's boot-failure backoff and circuit breaker.
+    breakers: Breakers,
     /// When this controller first saw each agent registry entry: an agent
     /// is judged by the registry only after a whole heartbeat timeout in it
     /// (a new agent registers before its first heartbeat).
@@ -137,6 +140,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             broker,
             backoff,
             memory: PoolMemory::default(),
+            breakers: Breakers::default(),
             registry_first_seen: BTreeMap::new(),
             refusals: Refusals::default(),
             timings: Timings::default(),
@@ -321,7 +325,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             cfg: &pool_cfg,
             loss_limit: self.cfg.loss_limit,
         };
-        let observed = match observe_pool(
+        let mut observed = match observe_pool(
             &self.broker,
             world,
             pool,
@@ -350,6 +354,16 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let timing = Timing {
             heartbeat_timeout_secs: self.cfg.heartbeat_timeout_secs,
         };
+        // The breaker takes this view (ERROR and stuck servers are boot
+        // failures, a booted one a success); the plan gets its gate.
+        let classes: Vec<_> = observed
+            .servers
+            .iter()
+            .map(|s| classify(s, &pool_cfg, &observed, timing))
+            .collect();
+        let breaker = self.breakers.get(name, &pool_cfg);
+        breaker.observe(now, &observed.servers, &classes);
+        observed.boot_gate = breaker.gate(now);
         let planned = plan(&observed, &pool_cfg, timing);
         for h in &planned.held {
             tracing::info!(pool = %name, reason = %h, "held back");
@@ -385,9 +399,30 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if !report.asked.is_empty() {
             self.memory.last_scale_down.insert(name.to_string(), now);
         }
+        let breaker = self.breakers.get(name, &pool_cfg);
+        for (_, id) in &report.created {
+            breaker.created(id);
+        }
         if report.boot_failed {
             self.memory.last_boot_failure.insert(name.to_string(), now);
+            let failed = report
+                .errors
+                .iter()
+                .rev()
+                .find(|e| matches!(e, ActError::Create { .. } | ActError::Resolve { .. }));
+            // A full quota is a temporary stop of the cloud, not a failing
+            // boot: the breaker does not count it.
+            let quota = matches!(failed, Some(ActError::Create { source, .. }) if source.is_quota_exceeded());
+            if !quota {
+                let what = failed
+                    .map(|e| vq_common::error::chain(e))
+                    .unwrap_or_else(|| "create failed".into());
+                breaker.failed(created_at, what);
+            }
         }
+        let gate = breaker.gate(created_at);
+        let failures = breaker.failures();
+        status::show_breaker(&self.status, &self.metrics, name, &gate, failures);
         for e in &report.errors {
             if let ActError::Control { source, .. } = e {
                 self.refusals.note(source);
@@ -459,7 +494,8 @@ impl Default for RunOptions {
 ///
 /// # Errors
 /// [`RunError`] if the HTTP client cannot be built, the compute API is too
-/// old or `listen` cannot be bound.
+/// old or `listen` cannot be bound; with `once`, if the cycle failed for a
+/// pool ([`RunError::OnceFailed`]).
 pub async fn run(
     cfg: ControllerConfig,
     creds: Credentials,
@@ -528,6 +564,7 @@ pub async fn run(
     ));
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut once_failed = Vec::new();
     let work = async {
         loop {
             tokio::select! {
@@ -541,6 +578,7 @@ pub async fn run(
             tracing::debug!(?s, "cycle done");
             if opts.once {
                 tracing::info!(ok = ?s.ok, failed = ?s.failed, created = s.created, deleted = s.deleted, "single cycle done");
+                once_failed = s.failed;
                 break;
             }
             if shutdown.is_cancelled() {
@@ -564,6 +602,9 @@ pub async fn run(
             "shutdown deadline passed: aborting the cycle, broker close or status requests still in flight (a cycle waiting out a broker alarm?)"
         );
         http.abort();
+    }
+    if !once_failed.is_empty() {
+        return Err(RunError::OnceFailed { pools: once_failed });
     }
     Ok(())
 }

@@ -137,6 +137,17 @@ pub struct PoolStatus {
     /// (see the module doc); `None` when it may boot.
     #[serde(default)]
     pub obstacle: Option<String>,
+    /// The kind of [`PoolStatus::obstacle`]: `server-unlisted` (a server
+    /// this controller created is missing from the listings),
+    /// `boot-backoff` (consecutive boot failures back boots off),
+    /// `breaker-open` (the pool's circuit breaker stops its boots),
+    /// `breaker-half-open` (one trial boot); `null` without one.
+    #[serde(default)]
+    pub obstacle_kind: Option<String>,
+    /// The pool's consecutive boot failures (failed creates, servers in
+    /// ERROR or stuck in BUILD; 0 after a boot that reached ACTIVE).
+    #[serde(default)]
+    pub boot_failures: u32,
     /// Whether the pool's last observation succeeded (its counts are
     /// current); `false` before the first one and while it fails.
     #[serde(default)]
@@ -341,9 +352,18 @@ pub fn publish(
     ps.agents = agents;
     ps.servers = servers;
     ps.observed_at = now;
-    ps.last_error = None;
+    // `last_error` stays until the cycle succeeds ([`show_success`]): this
+    // runs before the act step, which may fail again.
     ps.observed = true;
     ps.obstacle = observed.boot_obstacle.clone();
+    ps.obstacle_kind = observed
+        .boot_obstacle
+        .as_ref()
+        .map(|_| OBSTACLE_UNLISTED.to_string());
+    if ps.obstacle.is_none() {
+        ps.obstacle = observed.boot_gate.reason();
+        ps.obstacle_kind = observed.boot_gate.kind().map(str::to_string);
+    }
     for a in &planned.actions {
         ps.last_decisions.push(Decision {
             at: now as u64,
@@ -450,6 +470,7 @@ pub fn show_failure(
 /// Shows `pool`'s cycle as succeeded: no failures in a row.
 pub fn show_success(status: &RwLock<StatusReport>, pool: &str) {
     if let Some(ps) = write(status).pools.get_mut(pool) {
+        ps.last_error = None;
         ps.failures = 0;
         ps.failure_permanent = false;
     }
@@ -547,14 +568,48 @@ pub fn readiness(report: &StatusReport) -> Vec<String> {
     reasons
 }
 
-/// Whether `pool`'s entry shows an obstacle (its boots are stopped).
+/// [`PoolStatus::obstacle_kind`] of a server this controller created that
+/// the listings do not show.
+pub const OBSTACLE_UNLISTED: &str = "server-unlisted";
+
+/// Whether `pool`'s entry shows the obstacle of an unlisted created server
+/// (its boots are stopped).
 pub fn has_obstacle(status: &RwLock<StatusReport>, pool: &str) -> bool {
     status
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .pools
         .get(pool)
-        .is_some_and(|ps| ps.obstacle.is_some())
+        .is_some_and(|ps| ps.obstacle_kind.as_deref() == Some(OBSTACLE_UNLISTED))
+}
+
+/// Shows `pool`'s boot gate after its act step (a failed create may have
+/// backed it off or opened its breaker) unless an unlisted server is the
+/// obstacle, and sets `vq_pool_breaker_open{pool}` (1 while the breaker is
+/// open or half-open) and `vq_pool_boot_failures{pool}`.
+pub fn show_breaker(
+    status: &RwLock<StatusReport>,
+    metrics: &Metrics,
+    pool: &str,
+    gate: &crate::breaker::BootGate,
+    failures: u32,
+) {
+    let open = matches!(gate.kind(), Some("breaker-open" | "breaker-half-open"));
+    metrics
+        .pool_breaker_open
+        .get_or_create(&Metrics::pool(pool))
+        .set(i64::from(open));
+    metrics
+        .pool_boot_failures
+        .get_or_create(&Metrics::pool(pool))
+        .set(i64::from(failures));
+    let mut st = write(status);
+    let ps = st.pools.entry(pool.to_string()).or_default();
+    ps.boot_failures = failures;
+    if ps.obstacle_kind.as_deref() != Some(OBSTACLE_UNLISTED) {
+        ps.obstacle = gate.reason();
+        ps.obstacle_kind = gate.kind().map(str::to_string);
+    }
 }
 
 /// Sets [`StatusReport::broker_access_refused`] after a cycle that
@@ -588,6 +643,31 @@ mod tests {
             held: vec![],
         };
         (o, p)
+    }
+
+    #[test]
+    fn the_last_error_stays_until_a_cycle_succeeds() {
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let (o, p) = observed(1);
+        let fail = || PoolFailure {
+            error: "create refused: 403 Quota exceeded".into(),
+            attempts: 1,
+            permanent: false,
+            observed: true,
+        };
+        show_failure(&status, &m, "cms", fail());
+        // The next cycle publishes its view before its act step fails again.
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        assert_eq!(
+            status.read().unwrap().pools["cms"].last_error.as_deref(),
+            Some("create refused: 403 Quota exceeded"),
+            "cleared before the cycle's outcome was known"
+        );
+        show_failure(&status, &m, "cms", fail());
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        show_success(&status, "cms");
+        assert_eq!(status.read().unwrap().pools["cms"].last_error, None);
     }
 
     #[test]

@@ -127,6 +127,17 @@ async fn start_sim(dir: &Path, tune: impl FnOnce(&mut SimConfig)) -> Result<SimH
 
 /// Starts `vq-controller` against `sim` with one pool of `min = max = 1`.
 fn start_controller(sim: &SimHandle, dir: tempfile::TempDir, extra: &str) -> Result<Running> {
+    start_controller_with(sim, dir, extra, "")
+}
+
+/// As [`start_controller`], with `pool_extra` added to the pool's section
+/// (a `# --once` line in it also passes `--once`).
+fn start_controller_with(
+    sim: &SimHandle,
+    dir: tempfile::TempDir,
+    extra: &str,
+    pool_extra: &str,
+) -> Result<Running> {
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
     let cluster = unique_cluster();
     let url = broker_url(Role::Controller)?;
@@ -138,11 +149,14 @@ fn start_controller(sim: &SimHandle, dir: tempfile::TempDir, extra: &str) -> Res
         format!(
             "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:{port}\"\ninterval_secs = 0.3\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n{extra}\n\
-             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 1\nmax = 1\n"
+             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 1\nmax = 1\n{pool_extra}\n"
         ),
     )?;
     let log = dir.path().join("controller.log");
     let mut cmd = Command::new(&controller_bin);
+    if pool_extra.contains("# --once") {
+        cmd.arg("--once");
+    }
     cmd.arg("--config")
         .arg(&cfg)
         .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
@@ -246,6 +260,176 @@ async fn a_pool_whose_servers_the_listings_do_not_show_stops_booting_and_says_wh
     })
     .await?;
     ensure!(sim_servers(&sim).await?.len() == 1);
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}
+
+/// Servers the test cloud ever created.
+async fn sim_created(sim: &SimHandle) -> Result<u64> {
+    let v = get_json(&format!("{}/_sim/servers", sim.base_url())).await?;
+    v["created_total"].as_u64().context("created_total")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_pool_whose_servers_all_go_to_error_backs_off_and_opens_its_breaker() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |_| {}).await?;
+    // Every server goes to ERROR (NoValidHost) a second after its create.
+    sim_faults(&sim, serde_json::json!({"create_error_rate": 1.0})).await?;
+    let ctl = start_controller_with(
+        &sim,
+        dir,
+        "",
+        "boot_backoff_base_secs = 0.5\nboot_backoff_cap_secs = 1.0\nbreaker_failures = 3\nbreaker_open_secs = 3600.0",
+    )?;
+    // 40 cycles (12 s at 0.3 s): without a backoff each cycle replaces
+    // the failed server.
+    ctl.wait_cycles(40).await?;
+    let created = sim_created(&sim).await?;
+    eprintln!("all boots fail: {created} creates in 40 cycles (breaker_failures = 3)");
+    ensure!(
+        created <= 3,
+        "{created} creates in 40 cycles with every boot failing and breaker_failures = 3:\n{}",
+        ctl.log()
+    );
+    let p = ctl.pool_status().await.context("status")?;
+    ensure!(
+        p["obstacle_kind"] == "breaker-open" && p["boot_failures"] == 3,
+        "the breaker is not shown open: {p}"
+    );
+    let obstacle = p["obstacle"].as_str().unwrap_or_default();
+    ensure!(
+        obstacle.contains("circuit breaker open") && obstacle.contains("ERROR"),
+        "the obstacle does not say why: {obstacle}"
+    );
+    let metrics = http()
+        .get(ctl.status_url.replace("/status", "/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        metrics.contains(&format!("vq_pool_breaker_open{{pool=\"{POOL}\"}} 1")),
+        "no vq_pool_breaker_open 1 in /metrics:\n{metrics}"
+    );
+    let cli = build_bin("vq-cli", "vq")?;
+    let out = Command::new(&cli)
+        .args([
+            "pools",
+            "--controller",
+            &ctl.status_url.replace("/status", ""),
+        ])
+        .env("VQ_CLUSTER", &ctl.cluster)
+        .output()?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        shown.contains("circuit breaker open"),
+        "vq pools does not show the breaker: {shown}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_pool_whose_servers_stay_in_build_opens_its_breaker_and_a_trial_boot_closes_it(
+) -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |_| {}).await?;
+    sim_faults(&sim, serde_json::json!({"stuck_build": true})).await?;
+    let ctl = start_controller_with(
+        &sim,
+        dir,
+        "",
+        "boot_timeout_secs = 2\nboot_backoff_base_secs = 0.5\nboot_backoff_cap_secs = 1.0\nbreaker_failures = 2\nbreaker_open_secs = 4.0",
+    )?;
+    let open = ctl
+        .wait_status("the breaker to open", Duration::from_secs(60), |p| {
+            p["obstacle_kind"] == "breaker-open"
+        })
+        .await?;
+    let created = sim_created(&sim).await?;
+    eprintln!("servers stuck in BUILD: breaker open after {created} creates: {open}");
+    ensure!(created == 2, "{created} creates before the breaker opened");
+    ensure!(
+        open["obstacle"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("BUILD past the boot timeout"),
+        "{open}"
+    );
+    // The cloud recovers: the trial boot reaches ACTIVE and closes it.
+    sim_faults(&sim, serde_json::json!({"stuck_build": false})).await?;
+    ctl.wait_status("the breaker to close", Duration::from_secs(60), |p| {
+        p["obstacle"].is_null() && p["boot_failures"] == 0
+    })
+    .await?;
+    let created = sim_created(&sim).await?;
+    eprintln!("after recovery: {created} creates in all");
+    // 2 failed + 1 trial; at most one more: the trial server's VM runs no
+    // agent, so past the boot timeout it is a black hole and replaced
+    // (the breaker stays closed: it reached ACTIVE).
+    ensure!(
+        (3..=4).contains(&created),
+        "{created} creates: the half-open breaker made more than one trial boot"
+    );
+    ensure!(ctl.log().contains("half-open"), "no half-open in the log");
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn controller_once_exits_non_zero_when_its_only_cycle_failed() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |_| {}).await?;
+    // Every server listing is answered 503: the cycle fails.
+    sim_faults(
+        &sim,
+        serde_json::json!({"fail_next": [{"method": "GET", "path_prefix": "/compute/v2.1/servers", "status": 503, "count": 1000}]}),
+    )
+    .await?;
+    let mut ctl = start_controller_with(&sim, dir, "", "# --once")?;
+    let status = tokio::task::block_in_place(|| ctl.guard.wait_timeout(Duration::from_secs(60)));
+    let log = ctl.log();
+    let status = status.with_context(|| format!("--once did not exit:\n{log}"))?;
+    ensure!(
+        !status.success(),
+        "--once exited {status} though its only cycle failed:\n{log}"
+    );
+    ensure!(
+        log.contains("single cycle failed") && log.contains(POOL),
+        "the error does not name the pool:\n{log}"
+    );
     let cluster = ctl.cluster.clone();
     drop(ctl);
     sim.shutdown().await;

@@ -47,6 +47,21 @@ pub struct PoolConfig {
     /// Seconds after a scale-down before the next one (and after a failed
     /// boot before the next boot).
     pub cooldown_secs: u64,
+    /// First delay, seconds, before the next boot after a boot failure (a
+    /// failed create, a server in ERROR or stuck in BUILD past
+    /// `boot_timeout_secs`); it doubles with each consecutive failure, with
+    /// jitter, up to `boot_backoff_cap_secs`.
+    pub boot_backoff_base_secs: f64,
+    /// Largest delay, seconds, between boots after consecutive boot
+    /// failures.
+    pub boot_backoff_cap_secs: f64,
+    /// Consecutive boot failures that open the pool's circuit breaker: the
+    /// pool boots nothing for `breaker_open_secs`, then tries one boot,
+    /// whose success closes it.
+    pub breaker_failures: u32,
+    /// Seconds the open circuit breaker stops the pool's boots before it
+    /// half-opens for one trial boot.
+    pub breaker_open_secs: f64,
 }
 
 impl Default for PoolConfig {
@@ -66,6 +81,10 @@ impl Default for PoolConfig {
             boot_timeout_secs: 600,
             idle_secs: 300,
             cooldown_secs: 30,
+            boot_backoff_base_secs: 30.0,
+            boot_backoff_cap_secs: 600.0,
+            breaker_failures: 5,
+            breaker_open_secs: 1800.0,
         }
     }
 }
@@ -128,6 +147,10 @@ pub const MIN_COMPUTE_MICROVERSION: Microversion = Microversion {
     major: 2,
     minor: 52,
 };
+
+/// Longest cluster name: the controller tags its servers
+/// `vq-cluster-<cluster>` and Nova's tags are at most 60 characters.
+pub const MAX_CLUSTER_LEN: usize = 60 - "vq-cluster-".len();
 
 /// Controller configuration (`/etc/vq/controller.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -204,6 +227,13 @@ impl ControllerConfig {
             p.push(format!(
                 "cluster: {:?} is not a valid name (1-64 of a-z A-Z 0-9 _ -)",
                 self.cluster
+            ));
+        }
+        if self.cluster.len() > MAX_CLUSTER_LEN {
+            p.push(format!(
+                "cluster: {:?} is {} characters long, at most {MAX_CLUSTER_LEN}: the server tag vq-cluster-<cluster> must fit Nova's 60",
+                self.cluster,
+                self.cluster.len()
             ));
         }
         self.broker.problems("broker", &mut p);
@@ -291,6 +321,25 @@ impl ControllerConfig {
             if pool.boot_timeout_secs == 0 {
                 p.push(format!("{k}.boot_timeout_secs: must be at least 1"));
             }
+            let positive = |v: f64| v.is_finite() && v > 0.0;
+            if !positive(pool.boot_backoff_base_secs)
+                || !positive(pool.boot_backoff_cap_secs)
+                || pool.boot_backoff_base_secs > pool.boot_backoff_cap_secs
+            {
+                p.push(format!(
+                    "{k}: boot_backoff_base_secs {} and boot_backoff_cap_secs {} must be positive, the base at most the cap",
+                    pool.boot_backoff_base_secs, pool.boot_backoff_cap_secs
+                ));
+            }
+            if pool.breaker_failures == 0 {
+                p.push(format!("{k}.breaker_failures: must be at least 1"));
+            }
+            if !positive(pool.breaker_open_secs) {
+                p.push(format!(
+                    "{k}.breaker_open_secs: {} must be positive",
+                    pool.breaker_open_secs
+                ));
+            }
             if let Some(t) = &pool.user_data_template {
                 if !t.is_file() {
                     p.push(format!(
@@ -312,6 +361,44 @@ impl ControllerConfig {
 mod tests {
     use super::*;
     use crate::config::*;
+
+    #[test]
+    fn a_cluster_name_whose_server_tag_exceeds_nova_s_60_is_refused() {
+        let check = |cluster: &str| {
+            let text = format!(
+                "cluster = \"{cluster}\"\n[pools.cms]\nflavor = \"f\"\nimage = \"i\"\nagent_broker_url = \"amqp://h\"\n"
+            );
+            match parse::<ControllerConfig>("test", &text, toml::Table::new()) {
+                Ok(_) => None,
+                Err(ConfigError::Invalid { problems, .. }) => Some(problems.join("\n")),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(check(&"c".repeat(49)), None, "49 characters fit");
+        let err = check(&"c".repeat(50)).expect("50 characters are refused");
+        assert!(err.contains("at most 49") && err.contains("60"), "{err}");
+    }
+
+    #[test]
+    fn boot_breaker_settings_are_checked() {
+        let check = |keys: &str| {
+            let text = format!(
+                "[pools.cms]\nflavor = \"f\"\nimage = \"i\"\nagent_broker_url = \"amqp://h\"\n{keys}\n"
+            );
+            match parse::<ControllerConfig>("test", &text, toml::Table::new()) {
+                Ok(_) => None,
+                Err(ConfigError::Invalid { problems, .. }) => Some(problems.join("\n")),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(check(""), None);
+        assert!(
+            check("boot_backoff_base_secs = 700.0").is_some(),
+            "base above the cap"
+        );
+        assert!(check("breaker_failures = 0").is_some());
+        assert!(check("breaker_open_secs = 0.0").is_some());
+    }
 
     #[test]
     fn compute_microversions_below_what_vq_needs_are_refused() {

@@ -212,7 +212,9 @@ impl HttpCloud {
 
 impl CloudApi for HttpCloud {
     async fn list_servers(&self, tag: &str) -> Result<Vec<Server>, CloudError> {
-        let mut out = Vec::new();
+        let mut out: Vec<Server> = Vec::new();
+        let mut ids = std::collections::BTreeSet::new();
+        let mut links = std::collections::BTreeSet::new();
         let mut next: Option<String> = None;
         for _ in 0..MAX_PAGES {
             let op = "GET /servers/detail".to_string();
@@ -235,14 +237,30 @@ impl CloudApi for HttpCloud {
             };
             let page: ServersPage = Self::json(&op, resp).await?;
             let count = page.servers.len();
-            out.extend(page.servers.into_iter().map(Server::from));
+            // Nova can list a server twice while servers are being
+            // scheduled: each counts once.
+            for server in page.servers.into_iter().map(Server::from) {
+                if ids.insert(server.id.clone()) {
+                    out.push(server);
+                } else {
+                    tracing::debug!(server_id = %server.id, "server listed twice; counted once");
+                }
+            }
             next = page
                 .servers_links
                 .into_iter()
                 .find(|l| l.rel == "next")
                 .map(|l| l.href);
-            if next.is_none() || count == 0 {
-                return Ok(out);
+            match &next {
+                None => return Ok(out),
+                Some(_) if count == 0 => return Ok(out),
+                Some(link) if !links.insert(link.clone()) => {
+                    return Err(CloudError::Decode {
+                        op,
+                        detail: format!("the next link {link} was already followed (a repeated or cycling next link): the listing is incomplete, refusing a partial view"),
+                    });
+                }
+                Some(_) => {}
             }
         }
         Err(CloudError::Decode {

@@ -14,7 +14,7 @@ use tokio::sync::Mutex;
 use vq_common::config::Microversion;
 use vq_common::messages::unix_now;
 
-use super::{parse_timestamp, Credentials, DEFAULT_COMPUTE_MICROVERSION, TOKEN_RENEW_MARGIN_SECS};
+use super::{parse_timestamp, token_renew_margin_secs, Credentials, DEFAULT_COMPUTE_MICROVERSION};
 use crate::error::CloudError;
 use crate::metrics::Metrics;
 
@@ -22,7 +22,9 @@ use crate::metrics::Metrics;
 #[derive(Debug, Clone)]
 pub(super) struct Session {
     pub(super) token: String,
-    expires_at: f64,
+    /// When it is renewed, Unix seconds ([`token_renew_margin_secs`]
+    /// before its expiry).
+    renew_at: f64,
     /// The compute endpoint.
     pub(super) compute: String,
     /// The image endpoint, if the catalog has one.
@@ -60,6 +62,8 @@ struct TokenBody {
 #[derive(Deserialize)]
 struct TokenInfo {
     expires_at: String,
+    #[serde(default)]
+    issued_at: Option<String>,
     #[serde(default)]
     catalog: Vec<CatalogEntry>,
 }
@@ -232,6 +236,13 @@ impl HttpCloud {
                 op: op.clone(),
                 detail: format!("bad expires_at {:?}", body.token.expires_at),
             })?;
+        let issued_at = body
+            .token
+            .issued_at
+            .as_deref()
+            .and_then(parse_timestamp)
+            .unwrap_or_else(unix_now);
+        let renew_at = expires_at - token_renew_margin_secs(expires_at - issued_at);
         let region = self.creds.region.as_deref();
         let iface = &self.creds.interface;
         let compute =
@@ -252,7 +263,7 @@ impl HttpCloud {
         );
         Ok(Session {
             token,
-            expires_at,
+            renew_at,
             compute,
             image,
         })
@@ -261,7 +272,7 @@ impl HttpCloud {
     pub(super) async fn session(&self, force: bool) -> Result<Session, CloudError> {
         let mut guard = self.session.lock().await;
         if let Some(s) = guard.as_ref() {
-            if !force && s.expires_at - unix_now() > TOKEN_RENEW_MARGIN_SECS {
+            if !force && unix_now() < s.renew_at {
                 return Ok(s.clone());
             }
         }

@@ -34,8 +34,18 @@ pub use http::HttpCloud;
 /// first with server tags at create time (and 2.37+ requires `networks`).
 pub const DEFAULT_COMPUTE_MICROVERSION: Microversion = MIN_COMPUTE_MICROVERSION;
 
-/// A token is renewed when it has less than this left, seconds.
+/// A token is renewed when it has less than this left, seconds, or less
+/// than half its lifetime, whichever is smaller ([`token_renew_margin_secs`]).
 pub const TOKEN_RENEW_MARGIN_SECS: f64 = 300.0;
+
+/// Seconds before its expiry at which a token that lives `lifetime_secs`
+/// (Keystone's `expires_at - issued_at`) is renewed: the smaller of
+/// [`TOKEN_RENEW_MARGIN_SECS`] and half its lifetime, so a short-lived
+/// token (Keystone's `[token] expiration` below 600 s) is used for half
+/// its life instead of being renewed on every request.
+pub fn token_renew_margin_secs(lifetime_secs: f64) -> f64 {
+    TOKEN_RENEW_MARGIN_SECS.min(lifetime_secs.max(0.0) / 2.0)
+}
 
 /// Servers asked for per page when listing.
 pub const LIST_PAGE_SIZE: u32 = 200;
@@ -214,6 +224,16 @@ pub fn looks_like_uuid(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn short_lived_tokens_are_renewed_at_half_their_life() {
+        // Keystone's default hour: 300 s before expiry.
+        assert_eq!(token_renew_margin_secs(3600.0), 300.0);
+        // 120 s tokens: renewed after 60 s, not on every request.
+        assert_eq!(token_renew_margin_secs(120.0), 60.0);
+        assert_eq!(token_renew_margin_secs(600.0), 300.0);
+        assert_eq!(token_renew_margin_secs(-5.0), 0.0);
+    }
 
     #[test]
     fn timestamps_parse_in_the_forms_openstack_writes() {

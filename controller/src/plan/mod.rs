@@ -365,6 +365,15 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 n = 0;
             }
         }
+        if let Some(allowed) = obs.boot_gate.allowed() {
+            if n > allowed {
+                held.push(format!(
+                    "{why}: wanted {n} more, {allowed} allowed: {}",
+                    obs.boot_gate.reason().unwrap_or_default()
+                ));
+                n = allowed;
+            }
+        }
         if n > 0 {
             actions.push(Action::Boot {
                 count: n,

@@ -62,6 +62,7 @@ fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
         since_boot_failure_secs: None,
         boot_obstacle: None,
         unlisted_created: 0,
+        boot_gate: Default::default(),
     }
 }
 
@@ -584,4 +585,34 @@ proptest! {
             prop_assert_eq!(idle, 0, "above target with idle agents: {:?}", pl.classes);
         }
     }
+}
+
+#[test]
+fn the_boot_gate_limits_boots_and_says_why() {
+    use crate::breaker::BootGate;
+    let mut o = obs(vec![], 5, 0);
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 5);
+    o.boot_gate = BootGate::BreakerOpen {
+        failures: 5,
+        secs_left: 100.0,
+        last: "server x went to ERROR".into(),
+    };
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 0);
+    assert!(
+        p.held.iter().any(|h| h.contains("circuit breaker open")),
+        "{:?}",
+        p.held
+    );
+    o.boot_gate = BootGate::HalfOpen {
+        failures: 5,
+        probing: false,
+    };
+    assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 1, "one trial boot");
+    o.boot_gate = BootGate::HalfOpen {
+        failures: 5,
+        probing: true,
+    };
+    assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 0);
 }

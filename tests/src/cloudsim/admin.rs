@@ -62,6 +62,19 @@ pub struct Faults {
     /// them again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hide_new_servers: Option<bool>,
+    /// Page-size cap of server listings (Nova's `[api] max_limit`; default
+    /// 1000): a larger `limit`, or none, gets this many per page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_limit: Option<u32>,
+    /// While true, a listing page's `next` link repeats the page's last
+    /// server on the next page (its marker is the second to last server),
+    /// as Nova does while servers are being scheduled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlapping_pages: Option<bool>,
+    /// While true, a full listing page's `next` link is the page's own URL:
+    /// a repeated `next` link that never ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeated_next_link: Option<bool>,
     /// Failure rules; a POST appends its rules to the pending ones.
     #[serde(default)]
     pub fail_next: Vec<FailRule>,
@@ -100,7 +113,7 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
             })
         })
         .collect();
-    axum::Json(json!({ "servers": list })).into_response()
+    axum::Json(json!({ "servers": list, "created_total": inner.created_total })).into_response()
 }
 
 async fn get_faults(State(state): State<Arc<SimState>>) -> Response {
@@ -136,6 +149,15 @@ async fn post_faults(State(state): State<Arc<SimState>>, body: Bytes) -> Respons
     }
     if update.hide_new_servers.is_some() {
         inner.faults.hide_new_servers = update.hide_new_servers;
+    }
+    if update.max_limit.is_some() {
+        inner.faults.max_limit = update.max_limit;
+    }
+    if update.overlapping_pages.is_some() {
+        inner.faults.overlapping_pages = update.overlapping_pages;
+    }
+    if update.repeated_next_link.is_some() {
+        inner.faults.repeated_next_link = update.repeated_next_link;
     }
     inner.faults.fail_next.extend(update.fail_next);
     if update.expire_tokens_now == Some(true) {

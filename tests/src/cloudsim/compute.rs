@@ -463,15 +463,26 @@ fn select_servers(
     collection: &str,
 ) -> Result<(Vec<Server>, Vec<Value>), NovaFault> {
     let get = |k: &str| params.iter().rev().find(|(pk, _)| pk == k).map(|(_, v)| v);
+    let (max_limit, overlapping, repeated) = {
+        let inner = state.lock();
+        (
+            inner
+                .faults
+                .max_limit
+                .map_or(MAX_LIMIT, |m| (m as usize).max(1)),
+            inner.faults.overlapping_pages.unwrap_or(false),
+            inner.faults.repeated_next_link.unwrap_or(false),
+        )
+    };
     let limit = match get("limit") {
-        None => MAX_LIMIT,
+        None => max_limit,
         Some(raw) => {
             let n: u64 = raw.parse().map_err(|_| {
                 NovaFault::bad(format!(
                     "Invalid input for query parameters limit. Value: {raw}. '{raw}' does not match '^[0-9]*$'"
                 ))
             })?;
-            usize::try_from(n).unwrap_or(MAX_LIMIT).min(MAX_LIMIT)
+            usize::try_from(n).unwrap_or(max_limit).min(max_limit)
         }
     };
     // An invalid pattern matches nothing (Nova's database would error).
@@ -535,13 +546,22 @@ fn select_servers(
     drop(inner);
     let mut next = Vec::new();
     if limit > 0 && page.len() == limit {
-        if let Some(last) = page.last() {
+        // With overlapping pages the next one starts at this page's last
+        // server again (a page of one cannot overlap and make progress).
+        let marker = if overlapping && page.len() > 1 {
+            page.get(page.len() - 2)
+        } else {
+            page.last()
+        };
+        if let Some(last) = marker {
             let mut query: Vec<(String, String)> = params
                 .iter()
-                .filter(|(k, _)| k != "marker")
+                .filter(|(k, _)| repeated || k != "marker")
                 .cloned()
                 .collect();
-            query.push(("marker".into(), last.id.clone()));
+            if !repeated {
+                query.push(("marker".into(), last.id.clone()));
+            }
             next.push(json!({
                 "rel": "next",
                 "href": format!("{}/compute/v2.1/{collection}?{}", state.base(), urlencode(&query)),
@@ -993,6 +1013,7 @@ async fn create_server(
             };
             let doomed = doomed_rate > 0.0 && rand::random::<f64>() < doomed_rate;
             inner.next_seq += 1;
+            inner.created_total += 1;
             let server = Server {
                 id: id.clone(),
                 seq: inner.next_seq,

@@ -159,6 +159,8 @@ pub(crate) struct Inner {
     pub servers: BTreeMap<String, Server>,
     pub next_seq: u64,
     pub faults: Faults,
+    /// Servers ever created (shown by `/_sim/servers` as `created_total`).
+    pub created_total: u64,
 }
 
 impl Inner {
