@@ -246,7 +246,13 @@ impl Members<'_> {
 /// Without a cgroup: records the job's current processes so a restarted
 /// agent can find processes that escaped the session.
 fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path) {
-    let now = fallback_members(members.leader.as_raw(), members.uid, members.host.agent_pid);
+    // Shared by all jobs for half a tick: one /proc scan per tick in all.
+    let now = procs::fallback_members_shared(
+        members.leader.as_raw(),
+        members.uid,
+        members.host.agent_pid,
+        TICK / 2,
+    );
     if now != record.members {
         record.members = now;
         write_record(state_dir, record);

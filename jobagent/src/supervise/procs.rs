@@ -115,13 +115,54 @@ pub(super) fn sweep_zombies(agent_pid: i32) -> usize {
 /// time)`: its process group and session, orphans of `uid` reparented to
 /// the agent, and all their descendants.
 pub(super) fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
-    let leaders = leaders().clone();
-    let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
+    members_in(&process_table(), leader, uid, agent_pid)
+}
+
+/// The `stat` of every process of the host, by pid (one `/proc` scan).
+pub(super) type Table = BTreeMap<i32, ProcStat>;
+
+fn process_table() -> Table {
+    let mut stats = Table::new();
     for pid in all_pids() {
         if let Some(st) = proc_stat(pid) {
             stats.insert(pid, st);
         }
     }
+    stats
+}
+
+static SHARED_TABLE: std::sync::Mutex<Option<(std::time::Instant, std::sync::Arc<Table>)>> =
+    std::sync::Mutex::new(None);
+
+/// A process table at most `max_age` old, shared by every job that asks
+/// within that time: the periodic bookkeeping of all running jobs without
+/// a cgroup costs one `/proc` scan per tick, not one per job. Only for
+/// records ([`fallback_members_shared`]); signalling always scans afresh.
+fn shared_table(max_age: std::time::Duration) -> std::sync::Arc<Table> {
+    let mut guard = SHARED_TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((at, t)) = guard.as_ref() {
+        if at.elapsed() < max_age {
+            return t.clone();
+        }
+    }
+    let t = std::sync::Arc::new(process_table());
+    *guard = Some((std::time::Instant::now(), t.clone()));
+    t
+}
+
+/// [`fallback_members`] from a table shared by all jobs for up to
+/// `max_age` ([`shared_table`]).
+pub(super) fn fallback_members_shared(
+    leader: i32,
+    uid: u32,
+    agent_pid: i32,
+    max_age: std::time::Duration,
+) -> Vec<(i32, u64)> {
+    members_in(&shared_table(max_age), leader, uid, agent_pid)
+}
+
+fn members_in(stats: &Table, leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
+    let leaders = leaders().clone();
     let mut members: BTreeSet<i32> = stats
         .iter()
         .filter(|(pid, st)| {
