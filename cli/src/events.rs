@@ -10,10 +10,9 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::options::BasicAckOptions;
 use vq_common::amqp::{self, AmqpError};
-use vq_common::messages::{JobEvent, JobState, Message, Outcome};
+use vq_common::messages::{JobEvent, JobState, Outcome};
 use vq_common::topology::{job_event_key, Topology};
 
 use crate::error::CliError;
@@ -59,23 +58,11 @@ pub async fn read_job_events(
     let _ = probe.close(200, "ok".into()).await;
 
     let ch = conn.create_channel().await.map_err(op("channel.open"))?;
-    ch.basic_qos(STREAM_PREFETCH, BasicQosOptions::default())
+    let mut consumer = amqp::consume_stream_from_first(&ch, &queue, "vq-stat", STREAM_PREFETCH)
         .await
-        .map_err(op("basic.qos"))?;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-stream-offset".into(),
-        AMQPValue::LongString(LongString::from("first")),
-    );
-    let mut consumer = ch
-        .basic_consume(
-            queue.as_str().into(),
-            "vq-stat".into(),
-            BasicConsumeOptions::default(),
-            args,
-        )
-        .await
-        .map_err(op("basic.consume"))?;
+        .map_err(CliError::broker(format!(
+            "read the job-event stream {queue}"
+        )))?;
     let mut events = Vec::new();
     let deadline = tokio::time::Instant::now() + STREAM_READ_LIMIT;
     let mut unacked = 0u32;
@@ -93,7 +80,8 @@ pub async fn read_job_events(
                 .map_err(op("basic.ack"))?;
             unacked = 0;
         }
-        match JobEvent::decode(&next.data) {
+        let user_id = next.properties.user_id().as_ref().map(|u| u.as_str());
+        match JobEvent::decode_delivered(&next.data, next.routing_key.as_str(), user_id) {
             Ok(ev) => events.push(ev),
             Err(e) => tracing::debug!(error = %e, "skipping undecodable event"),
         }
@@ -138,7 +126,7 @@ pub fn wait_exit_code(state: &JobState) -> i32 {
             outcome: Outcome::Signaled { signal },
             ..
         } => 128 + signal,
-        JobState::Started => 0,
+        JobState::Queued { .. } | JobState::Started => 0,
         JobState::Finished { .. } | JobState::Failed { .. } => 1,
     }
 }
@@ -171,13 +159,17 @@ pub async fn wait_for_job(
     // another submitter's message is not about this job.
     while let Some(delivery) = consumer.next().await {
         let Ok(delivery) = delivery else { break };
-        let Ok(event) = JobEvent::decode(&delivery.data) else {
+        let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+        let Ok(event) =
+            JobEvent::decode_delivered(&delivery.data, delivery.routing_key.as_str(), user_id)
+        else {
             continue;
         };
         if event.job_id != job_id || event.submitter.as_deref().is_some_and(|s| s != me) {
             continue;
         }
         match &event.state {
+            JobState::Queued { .. } => {}
             JobState::Started => eprintln!("vq: job {} started on {}", job_id, event.agent),
             JobState::Finished { outcome, .. } => {
                 eprintln!("vq: job {} {}", job_id, describe_outcome(outcome));
@@ -197,6 +189,8 @@ pub async fn wait_for_job(
 /// State of a job as `qstat` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatState {
+    /// `Q`: queued (its `queued` event seen, no start yet).
+    Queued,
     /// `R`: started, no end seen.
     Running,
     /// `C`: completed (exited, signalled, walltime or output limit).
@@ -211,6 +205,7 @@ impl StatState {
     /// The one-letter code.
     pub fn letter(self) -> char {
         match self {
+            StatState::Queued => 'Q',
             StatState::Running => 'R',
             StatState::Completed => 'C',
             StatState::Failed => 'F',
@@ -221,6 +216,7 @@ impl StatState {
     /// The word for messages.
     pub fn word(self) -> &'static str {
         match self {
+            StatState::Queued => "queued",
             StatState::Running => "running",
             StatState::Completed => "completed",
             StatState::Failed => "failed",
@@ -246,6 +242,15 @@ pub struct JobSummary {
     pub state: StatState,
     /// PBS exit status once ended (see `Outcome::exit_status`).
     pub exit: Option<i32>,
+    /// The submission ([`JobEvent::submission`]): with the id, what names
+    /// one job (an id may be submitted again once its job ended).
+    pub submission: Option<String>,
+    /// Broker user that submitted the job (validated by the broker).
+    pub submitter: Option<String>,
+    /// What the job asked for, from its `queued` event.
+    pub request: Option<vq_common::messages::JobRequest>,
+    /// Submission time, Unix seconds (from its `queued` event).
+    pub queued_at: Option<f64>,
     /// Start time, Unix seconds (latest `started`).
     pub started_at: Option<f64>,
     /// End time, Unix seconds.
@@ -271,28 +276,51 @@ impl JobSummary {
 }
 
 /// Folds events (in stream order) into one summary per job, in order of
-/// first appearance. A later `started` (a rerun after a node loss) reopens
-/// the job.
+/// first appearance. A job is `(job_id, submission)`: an id submitted again
+/// after its job ended is another job (events without a submission join
+/// the id's latest job). A later `started` (a rerun after a node loss)
+/// reopens the job; a `queued` event never moves a job back (it may reach
+/// the stream after the job's `started`). Reports about a duplicate
+/// message ([`JobEvent::duplicate`]) say nothing about the job and are
+/// skipped.
 pub fn summarize(events: &[JobEvent]) -> Vec<JobSummary> {
-    let mut order: Vec<String> = Vec::new();
-    let mut by_id: std::collections::HashMap<String, JobSummary> = Default::default();
+    type Key = (String, Option<String>);
+    let mut order: Vec<Key> = Vec::new();
+    let mut by_key: std::collections::HashMap<Key, JobSummary> = Default::default();
+    let mut latest: std::collections::HashMap<String, Option<String>> = Default::default();
     for ev in events {
-        let s = by_id.entry(ev.job_id.clone()).or_insert_with(|| {
-            order.push(ev.job_id.clone());
+        if ev.duplicate.is_some() {
+            continue;
+        }
+        let submission = match &ev.submission {
+            Some(sub) => Some(sub.clone()),
+            None => latest.get(&ev.job_id).cloned().flatten(),
+        };
+        latest.insert(ev.job_id.clone(), submission.clone());
+        let key = (ev.job_id.clone(), submission.clone());
+        let s = by_key.entry(key.clone()).or_insert_with(|| {
+            order.push(key);
             JobSummary {
                 id: ev.job_id.clone(),
                 name: ev.job_name.clone(),
                 owner: ev.owner.clone(),
                 pool: ev.pool.clone(),
                 agent: String::new(),
-                state: StatState::Running,
+                state: StatState::Queued,
                 exit: None,
+                submission,
+                submitter: None,
+                request: None,
+                queued_at: None,
                 started_at: None,
                 ended_at: None,
                 wall_secs: None,
                 reason: None,
             }
         });
+        if ev.submitter.is_some() && s.submitter.is_none() {
+            s.submitter = ev.submitter.clone();
+        }
         if !ev.job_name.is_empty() {
             s.name = ev.job_name.clone();
         }
@@ -303,6 +331,10 @@ pub fn summarize(events: &[JobEvent]) -> Vec<JobSummary> {
             s.agent = ev.agent.clone();
         }
         match &ev.state {
+            JobState::Queued { request } => {
+                s.request = Some(request.clone());
+                s.queued_at = Some(ev.at);
+            }
             JobState::Started => {
                 s.state = StatState::Running;
                 s.started_at = Some(ev.at);
@@ -333,7 +365,7 @@ pub fn summarize(events: &[JobEvent]) -> Vec<JobSummary> {
     }
     order
         .into_iter()
-        .filter_map(|id| by_id.remove(&id))
+        .filter_map(|k| by_key.remove(&k))
         .collect()
 }
 
@@ -342,19 +374,31 @@ pub fn summarize(events: &[JobEvent]) -> Vec<JobSummary> {
 ///
 /// # Errors
 /// [`CliError::UnknownJob`] or [`CliError::AmbiguousJob`].
+///
+/// An id submitted again after its job ended names the latest of its jobs.
 pub fn find_job<'a>(jobs: &'a [JobSummary], wanted: &str) -> Result<&'a JobSummary, CliError> {
-    if let Some(j) = jobs.iter().find(|j| j.id == wanted) {
+    if let Some(j) = jobs.iter().rev().find(|j| j.id == wanted) {
         return Ok(j);
     }
-    let matches: Vec<&JobSummary> = jobs.iter().filter(|j| j.id.starts_with(wanted)).collect();
-    match matches.as_slice() {
-        [one] if !wanted.is_empty() => Ok(one),
+    let mut ids: Vec<&str> = jobs
+        .iter()
+        .filter(|j| j.id.starts_with(wanted))
+        .map(|j| j.id.as_str())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    match ids.as_slice() {
+        [one] if !wanted.is_empty() => Ok(jobs
+            .iter()
+            .rev()
+            .find(|j| j.id == *one)
+            .expect("a matching id has a job")),
         [] | [_] => Err(CliError::UnknownJob {
             job_id: wanted.to_string(),
         }),
         many => Err(CliError::AmbiguousJob {
             job_id: wanted.to_string(),
-            matches: many.iter().map(|j| j.id.clone()).collect(),
+            matches: many.iter().map(|id| id.to_string()).collect(),
         }),
     }
 }
@@ -423,7 +467,7 @@ pub(crate) mod tests {
         assert_eq!(letters, "CXFR");
         assert_eq!(s[0].exit, Some(2));
         assert_eq!(s[0].elapsed(1000.0), Some(10));
-        assert_eq!(s[1].exit, Some(-12));
+        assert_eq!(s[1].exit, Some(271));
         assert_eq!(s[2].reason.as_deref(), Some("no user"));
         assert_eq!(s[3].elapsed(150.0), Some(10));
         assert_eq!(s[3].agent, "ag3");
@@ -478,5 +522,83 @@ pub(crate) mod tests {
         assert_eq!(wait_exit_code(&fin(Outcome::Signaled { signal: 9 })), 137);
         assert_eq!(wait_exit_code(&fin(Outcome::Walltime)), 1);
         assert_eq!(wait_exit_code(&JobState::Failed { reason: "x".into() }), 1);
+    }
+
+    fn queued(id: &str, submission: &str, at: f64) -> JobEvent {
+        let mut e = ev(
+            id,
+            "alice",
+            "",
+            at,
+            JobState::Queued {
+                request: Default::default(),
+            },
+        );
+        e.submission = Some(submission.into());
+        e.submitter = Some("alice".into());
+        e
+    }
+
+    fn of(mut e: JobEvent, submission: &str) -> JobEvent {
+        e.submission = Some(submission.into());
+        e
+    }
+
+    #[test]
+    fn a_queued_job_waits_until_started_and_a_late_queued_never_moves_it_back() {
+        let jobs = summarize(&[queued("a", "s1", 10.0)]);
+        assert_eq!(jobs[0].state, StatState::Queued);
+        assert_eq!(jobs[0].state.letter(), 'Q');
+        assert_eq!(jobs[0].queued_at, Some(10.0));
+        assert_eq!(jobs[0].submitter.as_deref(), Some("alice"));
+        assert_eq!(jobs[0].elapsed(100.0), None);
+
+        let started = of(ev("a", "alice", "ag1", 11.0, JobState::Started), "s1");
+        let jobs = summarize(&[queued("a", "s1", 10.0), started.clone()]);
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].state, StatState::Running);
+        assert_eq!(jobs[0].agent, "ag1");
+        // The queued event reaching the stream after the start.
+        let jobs = summarize(&[started, queued("a", "s1", 10.0)]);
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].state, StatState::Running);
+        assert!(jobs[0].request.is_some());
+    }
+
+    #[test]
+    fn an_id_submitted_again_is_another_job_and_names_the_latest() {
+        let done = JobState::Finished {
+            outcome: Outcome::Exited { code: 0 },
+            usage: Usage::default(),
+        };
+        let events = [
+            queued("a", "s1", 1.0),
+            of(ev("a", "alice", "ag1", 2.0, JobState::Started), "s1"),
+            of(ev("a", "alice", "ag1", 3.0, done), "s1"),
+            queued("a", "s2", 4.0),
+        ];
+        let jobs = summarize(&events);
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].state, StatState::Completed);
+        assert_eq!(jobs[1].state, StatState::Queued);
+        let found = find_job(&jobs, "a").unwrap();
+        assert_eq!(found.submission.as_deref(), Some("s2"));
+        // A unique prefix of that id is not ambiguous either.
+        assert!(find_job(&jobs, "").is_err());
+        let mut longer = events.to_vec();
+        for e in &mut longer {
+            e.job_id = "abc.vq".into();
+        }
+        let jobs = summarize(&longer);
+        assert_eq!(
+            find_job(&jobs, "ab").unwrap().submission.as_deref(),
+            Some("s2")
+        );
+        // Events without a submission join the id's latest job.
+        let mut events = events.to_vec();
+        events.push(ev("a", "alice", "ag2", 5.0, JobState::Started));
+        let jobs = summarize(&events);
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[1].state, StatState::Running);
     }
 }

@@ -27,9 +27,11 @@ use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
 use vq_common::amqp::{self, AmqpError};
-use vq_common::messages::{Job, Message, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES, SCHEMA_VERSION};
+use vq_common::messages::{
+    Job, JobEvent, Message, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES, SCHEMA_VERSION,
+};
 use vq_common::pbs::{self, Directives, VarValue, Warning};
-use vq_common::topology::Topology;
+use vq_common::topology::{job_event_key, Topology};
 
 use crate::error::{amqp_reply_code, CliError, SubmitError, NOT_FOUND};
 use crate::events;
@@ -393,6 +395,43 @@ pub async fn publish_job(
     }
 }
 
+/// Publishes the `queued` event of `job` (whose message body was `body`)
+/// to the submissions exchange ([`Topology::submitted_exchange`]) with a
+/// publisher confirm, `user_id` = `broker_user`, on its own channel (a
+/// broker refusal closes only that channel). Call it once the job's own
+/// publish is confirmed.
+///
+/// # Errors
+/// [`CliError::Broker`].
+pub async fn publish_queued(
+    conn: &lapin::Connection,
+    topo: &Topology,
+    job: &Job,
+    body: &[u8],
+    broker_user: &str,
+    timeout: Duration,
+) -> Result<(), CliError> {
+    let action = || format!("publish the queued event of job {}", job.id);
+    let ch = amqp::confirm_channel(conn)
+        .await
+        .map_err(CliError::broker(action()))?;
+    let event = JobEvent::queued(job, body, broker_user);
+    let props = amqp::event_properties(&event).with_user_id(broker_user.into());
+    let res = amqp::publish_confirmed(
+        &ch,
+        &topo.submitted_exchange(),
+        &job_event_key(&job.pool, event.state.routing_word()),
+        &event.encode(),
+        props,
+        false,
+        timeout,
+    )
+    .await
+    .map_err(CliError::broker(action()));
+    let _ = ch.close(200, "ok".into()).await;
+    res
+}
+
 /// What `vq submit` does after parsing its arguments; returns the exit code
 /// (0, or with `wait` the job's exit status; see
 /// [`events::wait_exit_code`]).
@@ -441,6 +480,24 @@ async fn submit_on(
     publish_job(&ch, topo, job, &settings.broker_user(), timeout).await?;
     tracing::info!(job_id = %job.id, pool = %job.pool, "job submitted");
     println!("{}", job.id);
+    // The job is queued whatever happens to its `queued` event: without it
+    // `vq stat` shows the job from its start on.
+    if let Err(e) = publish_queued(
+        conn,
+        topo,
+        job,
+        &job.encode(),
+        &settings.broker_user(),
+        timeout,
+    )
+    .await
+    {
+        eprintln!(
+            "vq: warning: job {} is queued, but {}; `vq stat` shows it once it starts",
+            job.id,
+            crate::term::printable(&vq_common::error::chain(&e))
+        );
+    }
     let Some(consumer) = events else {
         return Ok(0);
     };

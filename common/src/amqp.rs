@@ -41,7 +41,7 @@ pub use publish::{
     confirm_channel, event_properties, json_properties, publish_confirmed,
     publish_confirmed_patiently, publish_message,
 };
-pub use subscribe::{subscribe, SUBSCRIBE_TIMEOUT};
+pub use subscribe::{consume_stream_from_first, subscribe, SUBSCRIBE_TIMEOUT};
 
 /// Runs `fut` with a timeout, mapping expiry to [`AmqpError::Timeout`].
 pub async fn bounded<T>(

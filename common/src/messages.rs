@@ -203,16 +203,23 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// PBS-style exit status: the exit code, `256 + signal` for a signal
-    /// (Torque's convention), `-11` walltime, `-12` cancelled, `-13` output
-    /// limit, `-1` failed to start.
+    /// Torque's exit status (`qstat -f` `exit_status`): the exit code,
+    /// `256 + signal` for a job killed by a signal, `-11` for walltime
+    /// (`JOB_EXEC_OVERLIMIT_WT`), `-1` for a job that could not start
+    /// (`JOB_EXEC_FAIL1`); a job cancelled while running shows `271`
+    /// (`256 + SIGTERM`, what Torque shows after `qdel`); a job stopped at
+    /// the output limit (Torque has no such limit; the agent kills it)
+    /// shows `265` (`256 + SIGKILL`). Negative codes are used only with
+    /// Torque's meanings (`src/include/job.h`, `JOB_EXEC_*`).
     pub fn exit_status(&self) -> i32 {
+        const SIGTERM: i32 = 15;
+        const SIGKILL: i32 = 9;
         match self {
             Outcome::Exited { code } => *code,
             Outcome::Signaled { signal } => 256 + signal,
             Outcome::Walltime => -11,
-            Outcome::Cancelled => -12,
-            Outcome::OutputLimit => -13,
+            Outcome::Cancelled => 256 + SIGTERM,
+            Outcome::OutputLimit => 256 + SIGKILL,
             Outcome::FailedToStart { .. } => -1,
         }
     }
@@ -222,6 +229,15 @@ impl Outcome {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum JobState {
+    /// The job was submitted: its message is in the pool queue (published
+    /// by whoever submitted it, `vq submit` or a bridge, after the job's
+    /// publisher confirm, on the submissions exchange `<c>.submitted`,
+    /// never with the script or the environment). It may arrive after the
+    /// job's `started`: readers never let it move a job back.
+    Queued {
+        /// What the job asks for.
+        request: JobRequest,
+    },
     /// The agent took the job and started it.
     Started,
     /// The job ran and ended; see `outcome`.
@@ -244,6 +260,7 @@ impl JobState {
     /// a finished job whose outcome is `cancelled` is `cancelled`.
     pub fn routing_word(&self) -> &'static str {
         match self {
+            JobState::Queued { .. } => "queued",
             JobState::Started => "started",
             JobState::Finished {
                 outcome: Outcome::Cancelled,
@@ -251,6 +268,61 @@ impl JobState {
             } => "cancelled",
             JobState::Finished { .. } => "finished",
             JobState::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// What a queued job asks for: the fields of its [`Job`] that `vq stat -f`
+/// shows, without the script and the environment (which may hold
+/// secrets and do not belong in the retained event stream).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct JobRequest {
+    /// [`Job::group`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// [`Job::shell`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<String>,
+    /// [`Job::workdir`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// [`Job::stdout`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
+    /// [`Job::stderr`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<String>,
+    /// [`Job::join`].
+    #[serde(default)]
+    pub join: Join,
+    /// [`Job::walltime`], seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub walltime: Option<u64>,
+    /// [`Job::rerunnable`].
+    #[serde(default)]
+    pub rerunnable: bool,
+    /// [`Job::submit_host`].
+    #[serde(default)]
+    pub submit_host: String,
+    /// [`Job::submitted_at`], Unix seconds.
+    #[serde(default)]
+    pub submitted_at: u64,
+}
+
+impl JobRequest {
+    /// The request of `job`.
+    pub fn of(job: &Job) -> JobRequest {
+        JobRequest {
+            group: job.group.clone(),
+            shell: job.shell.clone(),
+            workdir: job.workdir.clone(),
+            stdout: job.stdout.clone(),
+            stderr: job.stderr.clone(),
+            join: job.join,
+            walltime: job.walltime,
+            rerunnable: job.rerunnable,
+            submit_host: job.submit_host.clone(),
+            submitted_at: job.submitted_at,
         }
     }
 }
@@ -350,6 +422,56 @@ impl JobEvent {
         }
     }
 
+    /// The `queued` event of `job`, whose message body is `body`, submitted
+    /// by broker user `submitter` (the `user_id` the job was published
+    /// with).
+    pub fn queued(job: &Job, body: &[u8], submitter: &str) -> JobEvent {
+        let mut e = JobEvent::about(
+            Some(job),
+            &job.id,
+            &job.pool,
+            "",
+            Some(submitter),
+            JobState::Queued {
+                request: JobRequest::of(job),
+            },
+        )
+        .of_submission(body);
+        e.at = job.submitted_at as f64;
+        e
+    }
+
+    /// Decodes a job event as the broker delivered it: with routing key
+    /// `routing_key` and the broker-validated AMQP `user_id` of its
+    /// publisher. The routing key must say what the body says
+    /// (`job.<pool>.<word>`, see [`DecodeError::Misrouted`]): submitters
+    /// can only route `job.*.queued` into the events exchange
+    /// ([`crate::topology::SUBMITTED_BINDING`]), so a body claiming another
+    /// state on such a key is refused. A `queued` event's
+    /// [`JobEvent::submitter`] is its publisher's `user_id`, never what its
+    /// body claims (`None` without one).
+    ///
+    /// # Errors
+    /// [`DecodeError`].
+    pub fn decode_delivered(
+        body: &[u8],
+        routing_key: &str,
+        user_id: Option<&str>,
+    ) -> Result<JobEvent, DecodeError> {
+        let mut ev = JobEvent::decode(body)?;
+        let says = crate::topology::job_event_key(&ev.pool, ev.state.routing_word());
+        if says != routing_key {
+            return Err(DecodeError::Misrouted {
+                routing_key: routing_key.into(),
+                says,
+            });
+        }
+        if matches!(ev.state, JobState::Queued { .. }) {
+            ev.submitter = user_id.map(str::to_string);
+        }
+        Ok(ev)
+    }
+
     /// This event, naming the submission whose job message has `body`
     /// ([`JobEvent::submission`]).
     #[must_use]
@@ -362,6 +484,7 @@ impl JobEvent {
     /// retransmission of one state change, so consumers deduplicate on it
     /// (an unknown publish outcome is resolved by publishing again):
     ///
+    /// * `<job_id>.<submission>.queued`;
     /// * `<job_id>.<submission>.started.<attempt>`;
     /// * `<job_id>.<submission>.finished`, `….cancelled`, `….failed`: the
     ///   job's one final result;
@@ -524,6 +647,18 @@ pub fn unix_now() -> f64 {
 /// Error decoding a message body.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
+    /// A job event whose routing key does not say what its body says
+    /// (`job.<pool>.<word>` with the body's pool and
+    /// [`JobState::routing_word`]): dropped, since a routing key is what
+    /// the broker's permissions and bindings check and the body is not
+    /// ([`JobEvent::decode_delivered`]).
+    #[error("job event routed as {routing_key:?} says {says:?}")]
+    Misrouted {
+        /// The delivery's routing key.
+        routing_key: String,
+        /// `job.<pool>.<word>` of the body.
+        says: String,
+    },
     /// The body is not valid JSON for the type.
     #[error("malformed {kind} message")]
     Malformed {
@@ -674,5 +809,14 @@ mod tests {
         };
         assert_eq!(s.routing_word(), "cancelled");
         assert_eq!(Outcome::Signaled { signal: 9 }.exit_status(), 265);
+        // Torque's codes: qdel of a running job 271, walltime -11 (not
+        // -12, which is Torque's CPU-time limit).
+        assert_eq!(Outcome::Cancelled.exit_status(), 271);
+        assert_eq!(Outcome::Walltime.exit_status(), -11);
+        assert_eq!(Outcome::OutputLimit.exit_status(), 265);
+        assert_eq!(
+            Outcome::FailedToStart { reason: "x".into() }.exit_status(),
+            -1
+        );
     }
 }

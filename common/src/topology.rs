@@ -13,6 +13,7 @@
 //! | `<c>.jobs.dead` | quorum queue | dead-lettered jobs, reason in headers |
 //! | `<c>.dead.watch` | quorum queue bound to `<c>.dead` | a copy of every dead letter, consumed by the controller: it publishes `job.<pool>.failed` for those RabbitMQ made |
 //! | `<c>.events` | topic exchange | `job.<pool>.<state>`, `agent.<pool>.<kind>` |
+//! | `<c>.submitted` | topic exchange, bound into `<c>.events` for `job.*.queued` | submitters' `queued` events |
 //! | `<c>.events.log` | stream | retained job events for `vq stat` |
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
 //! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
@@ -28,6 +29,10 @@
 //! cluster's names ([`Permissions`]).
 
 use std::fmt;
+
+/// Binding key of the submissions exchange into the events exchange
+/// ([`Topology::submitted_exchange`]).
+pub const SUBMITTED_BINDING: &str = "job.*.queued";
 
 /// Default cluster name.
 pub const DEFAULT_CLUSTER: &str = "vq";
@@ -185,6 +190,18 @@ impl Topology {
     /// Topic exchange for job and agent events.
     pub fn events_exchange(&self) -> String {
         format!("{}.events", self.cluster)
+    }
+
+    /// Topic exchange where submitters (`vq submit`, bridges) publish the
+    /// `queued` event of each job they submitted (routing key
+    /// `job.<pool>.queued`). It is bound into [`Topology::events_exchange`]
+    /// for `job.*.queued` only ([`SUBMITTED_BINDING`]), so a submitter can
+    /// add `queued` events to the event stream and nothing else: the
+    /// events exchange itself stays writable by agents and the controller
+    /// alone. Readers take a `queued` event's submitter from its
+    /// broker-validated `user_id`.
+    pub fn submitted_exchange(&self) -> String {
+        format!("{}.submitted", self.cluster)
     }
 
     /// Stream retaining job events (`job.#`) for `vq stat`.
@@ -446,7 +463,7 @@ impl Permissions {
         let (configure, write, read) = match role {
             Role::Submitter => (
                 r"^amq\.gen-.*".to_string(),
-                format!(r"^({c}\.jobs|{c}\.demand|{c}\.control|amq\.gen-.*)$"),
+                format!(r"^({c}\.jobs|{c}\.submitted|{c}\.demand|{c}\.control|amq\.gen-.*)$"),
                 format!(r"^({c}\.events|{c}\.events\.log|amq\.gen-.*)$"),
             ),
             Role::Controller => {

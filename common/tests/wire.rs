@@ -6,7 +6,8 @@
 use std::path::PathBuf;
 
 use vq_common::messages::{
-    json_schemas, Control, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, Message,
+    json_schemas, Control, DecodeError, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState,
+    Message,
 };
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -41,6 +42,8 @@ fn every_fixture_survives_a_round_trip() {
     let sub: JobEvent = round_trip("job-event-finished-submission.json");
     assert_eq!(sub.submission.as_deref(), Some("5c1d7e9a0b3f2468"));
     assert!(dup.duplicate.is_some());
+    let queued: JobEvent = round_trip("job-event-queued.json");
+    assert_eq!(queued.state.routing_word(), "queued");
     round_trip::<Heartbeat>("heartbeat.json");
     round_trip::<Demand>("demand.json");
     round_trip::<Control>("control-ask-delete.json");
@@ -84,6 +87,10 @@ fn every_state_change_has_its_own_stable_message_id() {
         format!("{id}.5c1d7e9a0b3f2468.finished")
     );
     assert_eq!(
+        ev("job-event-queued.json"),
+        format!("{id}.5c1d7e9a0b3f2468.queued")
+    );
+    assert_eq!(
         ev("job-event-duplicate.json"),
         format!("{id}.duplicate.8a3f0c5e2b917d44")
     );
@@ -109,4 +116,53 @@ fn a_job_id_submitted_again_after_its_job_ended_gets_other_message_ids() {
             .of_submission(b"first submission")
             .message_id()
     );
+}
+
+#[test]
+fn a_queued_event_is_the_jobs_request_without_script_or_environment() {
+    let job = Job::decode(&fixture("job.json")).unwrap();
+    assert!(!job.script.is_empty() && !job.env.is_empty());
+    let body = job.encode();
+    let ev = JobEvent::queued(&job, &body, "alice-broker");
+    let text = String::from_utf8(ev.encode()).unwrap();
+    assert!(!text.contains(job.script.trim()), "{text}");
+    for (k, v) in &job.env {
+        assert!(
+            !text.contains(&format!("\"{k}\"")) && !text.contains(v.as_str()),
+            "{text}"
+        );
+    }
+    assert_eq!(ev.submission, Some(vq_common::messages::fingerprint(&body)));
+    assert_eq!(ev.submitter.as_deref(), Some("alice-broker"));
+    let JobState::Queued { request } = &ev.state else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(request.walltime, job.walltime);
+    assert_eq!(request.submit_host, job.submit_host);
+}
+
+#[test]
+fn a_delivered_job_event_must_be_routed_as_its_body_says() {
+    let finished = fixture("job-event-finished.json");
+    let ev = JobEvent::decode(&finished).unwrap();
+    let key = |word: &str| vq_common::topology::job_event_key(&ev.pool, word);
+    assert!(JobEvent::decode_delivered(&finished, &key("finished"), None).is_ok());
+    // A result routed as `queued` (the one key a submitter can route into
+    // the events exchange) or to another pool is refused.
+    for wrong in [key("queued"), "job.other.finished".to_string()] {
+        let err = JobEvent::decode_delivered(&finished, &wrong, None).unwrap_err();
+        assert!(matches!(err, DecodeError::Misrouted { .. }), "{err}");
+    }
+    // A queued event's submitter is the broker-validated user, not its
+    // body's claim.
+    let queued = fixture("job-event-queued.json");
+    let got = JobEvent::decode_delivered(&queued, &key("queued"), Some("bob")).unwrap();
+    assert_eq!(got.submitter.as_deref(), Some("bob"));
+    let got = JobEvent::decode_delivered(&queued, &key("queued"), None).unwrap();
+    assert_eq!(got.submitter, None);
+    // Other events keep the submitter the agent judged the job by.
+    let sub = fixture("job-event-finished-submission.json");
+    let e = JobEvent::decode(&sub).unwrap();
+    let got = JobEvent::decode_delivered(&sub, &key("finished"), Some("agent-account")).unwrap();
+    assert_eq!(got.submitter, e.submitter);
 }

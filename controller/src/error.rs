@@ -297,6 +297,14 @@ pub enum RunError {
         /// The configured value.
         value: String,
     },
+    /// `[jobs] api_token_file` cannot be used.
+    #[error("jobs.api_token_file {path}: {problem}")]
+    JobsToken {
+        /// The configured path.
+        path: String,
+        /// What is wrong (unreadable, empty, group/other permission bits).
+        problem: String,
+    },
     /// The compute API cannot serve what vq needs (its version document,
     /// read at start, gives a lower maximum microversion).
     #[error("cannot run against this cloud")]

@@ -150,9 +150,11 @@ pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Ins
     }
 }
 
-/// Counts one job event (routing key `job.<pool>.<word>`) in `metrics`.
-pub fn count_job_event(metrics: &Metrics, routing_key: &str, body: &[u8]) {
-    match JobEvent::decode(body) {
+/// Counts one job event (routing key `job.<pool>.<word>`, published by
+/// broker user `user_id`) in `metrics`; an event whose routing key does not
+/// say what its body says is ignored ([`JobEvent::decode_delivered`]).
+pub fn count_job_event(metrics: &Metrics, routing_key: &str, user_id: Option<&str>, body: &[u8]) {
+    match JobEvent::decode_delivered(body, routing_key, user_id) {
         Ok(ev) => metrics.job_event(&ev),
         Err(e) => tracing::debug!(routing_key, error = %e, "ignoring a malformed job event"),
     }
@@ -167,7 +169,8 @@ pub(crate) async fn consume_events(
     while let Some(delivery) = consumer.next().await {
         match delivery {
             Ok(d) if d.routing_key.as_str().starts_with("job.") => {
-                count_job_event(&metrics, d.routing_key.as_str(), &d.data);
+                let user_id = d.properties.user_id().as_ref().map(|u| u.as_str());
+                count_job_event(&metrics, d.routing_key.as_str(), user_id, &d.data);
             }
             Ok(d) => {
                 let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());

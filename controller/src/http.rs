@@ -10,7 +10,9 @@
 //! * `GET /status`: the [`StatusReport`] as JSON (shape documented in
 //!   [`crate::status`]);
 //! * `GET /metrics`: OpenMetrics text ([`Metrics`]; README.md's
-//!   "Monitoring" lists every family).
+//!   "Monitoring" lists every family);
+//! * `GET /jobs`, `GET /jobs/{id}`: the job table, for bearer-token holders
+//!   ([`crate::jobs::http`]).
 
 use std::sync::{Arc, RwLock};
 
@@ -31,6 +33,8 @@ pub struct AppState {
     pub status: Arc<RwLock<StatusReport>>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The job table API (`/jobs`, [`crate::jobs::http`]).
+    pub jobs: crate::jobs::http::JobsApi,
 }
 
 /// The router (`/healthz`, `/readyz`, `/status`, `/metrics`).
@@ -40,7 +44,8 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
-        .with_state(state)
+        .with_state(state.clone())
+        .merge(crate::jobs::http::router(state.jobs))
 }
 
 async fn healthz() -> Response {
@@ -121,6 +126,10 @@ mod tests {
         let state = AppState {
             status: state_status.clone(),
             metrics,
+            jobs: crate::jobs::http::JobsApi {
+                jobs: Default::default(),
+                token: None,
+            },
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

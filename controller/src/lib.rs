@@ -20,6 +20,7 @@ pub mod error;
 pub mod events;
 pub mod fence;
 pub mod http;
+pub mod jobs;
 pub mod metrics;
 pub mod observe;
 pub mod openstack;

@@ -135,7 +135,7 @@ pub fn cloud_op(op: &str) -> &'static str {
 /// ([`failure_reason`]).
 pub fn job_end_labels(event: &JobEvent) -> Option<(&'static str, &'static str)> {
     Some(match &event.state {
-        JobState::Started => return None,
+        JobState::Queued { .. } | JobState::Started => return None,
         JobState::Finished { outcome, .. } => match outcome {
             Outcome::Cancelled => ("cancelled", "cancelled"),
             Outcome::Exited { code: 0 } => ("finished", "exit-zero"),

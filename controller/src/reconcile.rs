@@ -488,11 +488,23 @@ pub async fn run(
         },
         _ = shutdown.cancelled() => return Ok(()),
     }
+    let token =
+        match cfg.jobs.api_token_file.as_deref() {
+            None => None,
+            Some(path) => Some(crate::jobs::http::read_token(path).map_err(|problem| {
+                RunError::JobsToken {
+                    path: path.into(),
+                    problem,
+                }
+            })?),
+        };
+    let jobs = crate::jobs::SharedJobs::default();
     let broker = Broker::new(
         cfg.broker.clone(),
         Topology::new(cfg.cluster.clone()),
         cfg.pools.keys().cloned().collect(),
     )
+    .with_job_table(jobs.clone(), cfg.jobs.keep_completed_secs)
     .with_metrics(metrics.clone());
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
@@ -503,13 +515,14 @@ pub async fn run(
             addr: listen.clone(),
             source,
         })?;
-    tracing::info!(listen = %listen, "serving /healthz, /readyz, /status and /metrics");
+    tracing::info!(listen = %listen, "serving /healthz, /readyz, /status, /metrics and /jobs");
     let http_stop = CancellationToken::new();
     let mut http = tokio::spawn(crate::http::serve(
         listener,
         AppState {
             status: ctl.status.clone(),
             metrics: ctl.metrics.clone(),
+            jobs: crate::jobs::http::JobsApi { jobs, token },
         },
         http_stop.clone(),
     ));

@@ -796,9 +796,7 @@ impl EventTap {
         self.seen
             .iter()
             .zip(&self.message_ids)
-            .filter(|((k, v), _)| {
-                k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id
-            })
+            .filter(|((k, v), _)| k.starts_with("job.") && is_final_key(k) && v["job_id"] == job_id)
             .filter(|(_, id)| id.as_ref().is_none_or(|id| ids.insert(id.clone())))
             .map(|((_, v), _)| v)
             .collect()
@@ -820,14 +818,20 @@ pub fn job_events<'a>(
         .collect()
 }
 
-/// Final results (any job event but `started`) of `job_id` among
+/// Whether job-event routing key `key` is a final result's
+/// (`finished`, `failed`, `cancelled`; not `queued` or `started`).
+pub fn is_final_key(key: &str) -> bool {
+    !key.ends_with(".started") && !key.ends_with(".queued")
+}
+
+/// Final results (any job event but `queued` and `started`) of `job_id` among
 /// `(routing key, body)` pairs.
 pub fn final_results<'a>(
     seen: &'a [(String, serde_json::Value)],
     job_id: &str,
 ) -> Vec<&'a serde_json::Value> {
     seen.iter()
-        .filter(|(k, v)| k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == job_id)
+        .filter(|(k, v)| k.starts_with("job.") && is_final_key(k) && v["job_id"] == job_id)
         .map(|(_, v)| v)
         .collect()
 }
@@ -841,6 +845,9 @@ pub struct DurableTap {
     pub queue: String,
     /// Every event read so far: (routing key, JSON body).
     pub seen: Vec<(String, serde_json::Value)>,
+    /// The AMQP `message_id` of each event in [`DurableTap::seen`] (same
+    /// index).
+    pub message_ids: Vec<Option<String>>,
 }
 
 impl DurableTap {
@@ -849,7 +856,7 @@ impl DurableTap {
     pub fn new(queue: &str) -> Self {
         DurableTap {
             queue: queue.into(),
-            seen: Vec::new(),
+            ..Default::default()
         }
     }
 
@@ -858,19 +865,46 @@ impl DurableTap {
     /// # Errors
     /// Broker errors.
     pub async fn poll(&mut self, b: &TestBroker) -> anyhow::Result<()> {
-        let got = b.drain_queue(&self.queue).await?;
-        self.seen.extend(got);
+        for (key, body, id) in b.drain_queue(&self.queue).await? {
+            self.seen.push((key, body));
+            self.message_ids.push(id);
+        }
         Ok(())
     }
 
-    /// Number of events `job.<pool>.<word>` of `job_id`.
+    /// Events of `job_id` matching `pred` (on the routing key) as a consumer
+    /// that deduplicates on the AMQP `message_id` sees them (README, "Job
+    /// events": an event whose publish outcome was unknown is published
+    /// again with the same `message_id`): events with a `message_id` seen
+    /// before are dropped, events without one all count.
+    fn distinct(&self, job_id: &str, pred: impl Fn(&str) -> bool) -> Vec<&serde_json::Value> {
+        let mut ids = std::collections::HashSet::new();
+        self.seen
+            .iter()
+            .zip(&self.message_ids)
+            .filter(|((k, v), _)| k.starts_with("job.") && pred(k) && v["job_id"] == job_id)
+            .filter(|(_, id)| id.as_ref().is_none_or(|id| ids.insert(id.clone())))
+            .map(|((_, v), _)| v)
+            .collect()
+    }
+
+    /// Number of distinct events `job.<pool>.<word>` of `job_id`
+    /// (deduplicated on `message_id`, see [`DurableTap::finals`]).
     pub fn count(&self, job_id: &str, word: &str) -> usize {
+        let suffix = format!(".{word}");
+        self.distinct(job_id, |k| k.ends_with(&suffix)).len()
+    }
+
+    /// Number of events `job.<pool>.<word>` of `job_id` as published,
+    /// retransmissions included.
+    pub fn count_published(&self, job_id: &str, word: &str) -> usize {
         job_events(&self.seen, job_id, word).len()
     }
 
-    /// Final results of `job_id`.
+    /// Distinct final results of `job_id` (any job event but `started`),
+    /// deduplicated on `message_id` as consumers do.
     pub fn finals(&self, job_id: &str) -> Vec<&serde_json::Value> {
-        final_results(&self.seen, job_id)
+        self.distinct(job_id, is_final_key)
     }
 
     /// Number of events whose routing key ends with `suffix`.
@@ -952,6 +986,23 @@ pub async fn start_controller_on_empty_cloud_at(
     log: &str,
     listen: &str,
 ) -> anyhow::Result<EmptyCloudController> {
+    start_controller_on_empty_cloud_with(url, cluster, pool, log, listen, "").await
+}
+
+/// [`start_controller_on_empty_cloud_at`] with `extra_toml` appended to the
+/// controller's config (after the pool's table: start it with a table
+/// header, e.g. `[jobs]`).
+///
+/// # Errors
+/// If a binary cannot be built, the cloud or the process started.
+pub async fn start_controller_on_empty_cloud_with(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    log: &str,
+    listen: &str,
+    extra_toml: &str,
+) -> anyhow::Result<EmptyCloudController> {
     use crate::cloudsim::{Sim, SimConfig};
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
@@ -971,7 +1022,7 @@ pub async fn start_controller_on_empty_cloud_at(
         format!(
             "cluster = \"{cluster}\"\nlisten = \"{listen}\"\ninterval_secs = 0.5\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n"
+             [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n{extra_toml}"
         ),
     )?;
     let mut cmd = Command::new(&controller_bin);
@@ -1296,14 +1347,14 @@ impl TestBroker {
     }
 
     /// Takes every message now in `queue` (acking them): (routing key, JSON
-    /// body).
+    /// body, AMQP `message_id`).
     ///
     /// # Errors
     /// Broker errors.
     pub async fn drain_queue(
         &self,
         queue: &str,
-    ) -> anyhow::Result<Vec<(String, serde_json::Value)>> {
+    ) -> anyhow::Result<Vec<(String, serde_json::Value, Option<String>)>> {
         let mut out = Vec::new();
         while let Some(m) = self
             .ch
@@ -1312,7 +1363,8 @@ impl TestBroker {
         {
             let d = m.delivery;
             let v = serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
-            out.push((d.routing_key.to_string(), v));
+            let id = d.properties.message_id().as_ref().map(ToString::to_string);
+            out.push((d.routing_key.to_string(), v, id));
         }
         Ok(out)
     }

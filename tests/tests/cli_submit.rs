@@ -309,7 +309,13 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
     let (reader, _) = submitter().await;
     let events = read_job_events(&reader, topo).await.unwrap().unwrap();
     let _ = reader.close(200, "bye".into()).await;
-    assert_eq!(events.len(), 2);
+    let words: Vec<_> = events.iter().map(|e| e.state.routing_word()).collect();
+    assert_eq!(events.len(), 3, "{words:?}");
+    let queued = events
+        .iter()
+        .find(|e| matches!(e.state, JobState::Queued { .. }))
+        .expect("vq submit published the queued event");
+    assert_eq!(queued.submitter.as_deref(), Some(submitter_user().as_str()));
     let out = vq(topo.cluster()).args(["stat", "-a"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -439,5 +445,155 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("no agent named \"ghost\""), "{stderr}");
 
+    sides.cleanup().await;
+}
+
+/// Runs `vq stat -a` and returns the line of `job_id`.
+fn stat_line(cluster: &str, job_id: &str) -> String {
+    let out = vq(cluster).args(["stat", "-a"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.lines()
+        .find(|l| l.starts_with(job_id))
+        .unwrap_or_else(|| panic!("no line for {job_id} in:\n{text}"))
+        .to_string()
+}
+
+#[tokio::test]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_queued_job_is_in_stat_before_it_starts_and_submitters_cannot_forge_results() {
+    if !require_root() {
+        return;
+    }
+    let sides = Sides::new(&["p1"]).await;
+    let topo = sides.topo();
+    let dir = std::env::temp_dir().join(format!("vq-cli-q-{}", topo.cluster()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("waits.pbs");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n#PBS -N waits\n#PBS -q p1\n#PBS -l walltime=00:02:00\necho hi\n",
+    )
+    .unwrap();
+    let out = vq(topo.cluster())
+        .current_dir(&dir)
+        .args(["submit", script.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    // No agent has it: `vq stat` shows it queued, `vq stat ID` finds it.
+    let line = stat_line(topo.cluster(), &id);
+    assert!(line.contains(" Q ") && line.contains("waits"), "{line}");
+    let out = vq(topo.cluster()).args(["stat", &id]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A submitter can add `queued` events and nothing else: a result routed
+    // through the submissions exchange is not delivered, one whose body
+    // claims a result on a `queued` key is ignored, a `queued` event's
+    // submitter is the broker-validated user, and the events exchange
+    // itself refuses the submitter.
+    let job = Job::decode(
+        &get_one(&sides.agent_ch, &topo.pool_queue("p1"))
+            .await
+            .delivery
+            .data,
+    )
+    .unwrap();
+    let (conn, ch) = submitter().await;
+    let fake = event(
+        &job,
+        "nobody",
+        JobState::Finished {
+            outcome: Outcome::Exited { code: 0 },
+            usage: Usage::default(),
+        },
+    );
+    for key in [
+        job_event_key("p1", "finished"),
+        job_event_key("p1", "queued"),
+    ] {
+        let props = amqp::event_properties(&fake).with_user_id(submitter_user().as_str().into());
+        amqp::publish_confirmed(
+            &ch,
+            &topo.submitted_exchange(),
+            &key,
+            &fake.encode(),
+            props,
+            false,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    }
+    let mut forged_queued = JobEvent::queued(&job, &job.encode(), "someone-else");
+    forged_queued.job_name = "forged".into();
+    let props =
+        amqp::event_properties(&forged_queued).with_user_id(submitter_user().as_str().into());
+    amqp::publish_confirmed(
+        &ch,
+        &topo.submitted_exchange(),
+        &job_event_key("p1", "queued"),
+        &forged_queued.encode(),
+        props,
+        false,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let refused = amqp::publish_confirmed(
+        &ch,
+        &topo.events_exchange(),
+        &job_event_key("p1", "finished"),
+        &fake.encode(),
+        amqp::event_properties(&fake),
+        false,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        refused.is_err(),
+        "the events exchange took a submitter's publish"
+    );
+    let _ = conn.close(200, "bye".into()).await;
+
+    let (reader, _) = submitter().await;
+    let events = read_job_events(&reader, topo).await.unwrap().unwrap();
+    let _ = reader.close(200, "bye".into()).await;
+    assert_eq!(events.len(), 2, "{events:#?}");
+    for e in &events {
+        assert!(matches!(e.state, JobState::Queued { .. }), "{e:?}");
+        assert_eq!(
+            e.submitter.as_deref(),
+            Some(submitter_user().as_str()),
+            "{e:?}"
+        );
+    }
+    let line = stat_line(topo.cluster(), &id);
+    assert!(line.contains(" Q "), "{line}");
+
+    // Once an agent reports it started, it runs (a late `queued` never
+    // moves it back).
+    publish_event(
+        &sides.agent_ch,
+        topo,
+        &event(&job, "agent-1", JobState::Started),
+    )
+    .await;
+    let line = stat_line(topo.cluster(), &id);
+    assert!(line.contains(" R ") && line.contains("agent-1"), "{line}");
+
+    std::fs::remove_dir_all(Path::new(&dir)).unwrap();
     sides.cleanup().await;
 }

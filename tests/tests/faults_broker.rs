@@ -34,6 +34,11 @@ fn crash_trials() -> usize {
     vq_tests::harness::fault_trials(CRASH_TRIALS)
 }
 
+/// The file a job's script appends a line to each time it starts.
+fn runs_file(home: &std::path::Path, name: &str) -> std::path::PathBuf {
+    home.join(format!("{name}.runs"))
+}
+
 /// The test's durable event tap: a queue of the cluster's, so the
 /// controller account may declare it.
 fn tap(cluster: &str) -> String {
@@ -154,11 +159,17 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
     // Broker crashes at random moments while a job runs.
     let mut kill_at = Vec::new();
     for trial in 0..crash_trials() {
+        // Each run of the script leaves a line in its runs file: the
+        // events say how often the job was reported started, this file how
+        // often it really started.
+        let name = format!("crash{trial}");
+        let runs = runs_file(&alice.home, &name);
+        let _ = std::fs::remove_file(&runs);
         let j = job(
             POOL,
             &alice.name,
-            &format!("crash{trial}"),
-            "sleep 6\necho done\n",
+            &name,
+            &format!("echo run >> '{}'\nsleep 6\necho done\n", runs.display()),
         );
         broker.publish_job(&j).await?;
         seen.wait(&broker, "job started", Duration::from_secs(30), |s| {
@@ -198,10 +209,23 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
 
     let mut report = BTreeMap::new();
     for j in &jobs {
+        // As a consumer sees them: deduplicated on `message_id` (a
+        // `started` whose confirm the crash cut off is published again).
         let started = seen.count(&j.id, "started");
+        let published = seen.count_published(&j.id, "started");
         let finals = seen.finals(&j.id);
-        report.insert(j.name.clone(), (started, finals.len()));
-        ensure!(started == 1, "job {} started {started} times", j.name);
+        report.insert(j.name.clone(), (started, published, finals.len()));
+        ensure!(
+            started == 1,
+            "job {} started {started} times (distinct message ids; {published} published)",
+            j.name
+        );
+        let runs = runs_file(&alice.home, &j.name);
+        if j.name.starts_with("crash") {
+            let ran = std::fs::read_to_string(&runs)?.lines().count();
+            ensure!(ran == 1, "job {} ran {ran} times", j.name);
+            let _ = std::fs::remove_file(&runs);
+        }
         ensure!(
             finals.len() == 1,
             "job {} has {} final results: {finals:?}",
@@ -236,7 +260,7 @@ async fn jobs_outlive_the_consumer_timeout_and_survive_broker_crashes() -> anyho
         "a job was dead-lettered"
     );
     eprintln!(
-        "faults_broker: {} crash trials (kill after {kill_at:?}); per job (started, final results): {report:?}; lost 0, duplicated 0, interrupted 0",
+        "faults_broker: {} crash trials (kill after {kill_at:?}); per job (started, started events published, final results): {report:?}; lost 0, duplicated 0, interrupted 0",
         crash_trials()
     );
     Ok(())

@@ -748,7 +748,7 @@ fn ensure_keyctl() -> anyhow::Result<()> {
 async fn final_reason(tap: &mut EventTap, id: &str) -> anyhow::Result<String> {
     let ev = tap
         .wait_for(EVENT_WAIT, &format!("final event of {id}"), |k, v| {
-            k.starts_with("job.") && !k.ends_with(".started") && v["job_id"] == id
+            k.starts_with("job.") && vq_tests::harness::is_final_key(k) && v["job_id"] == id
         })
         .await?;
     Ok(ev["reason"]

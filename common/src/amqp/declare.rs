@@ -3,12 +3,16 @@
 
 use std::time::Duration;
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::Channel;
 
 use super::{bounded, lapin_reply_code, AmqpError, NOT_FOUND, PRECONDITION_FAILED};
-use crate::topology::{ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS};
+use crate::topology::{
+    ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS, SUBMITTED_BINDING,
+};
 
 /// Converts queue arguments to an AMQP field table.
 pub fn field_table(args: &QueueArgs) -> FieldTable {
@@ -178,8 +182,38 @@ pub async fn declare_exchanges(ch: &Channel, topo: &Topology) -> Result<(), Amqp
     Ok(())
 }
 
-/// Declares the whole topology (the controller's part): exchanges, the
-/// dead-letter queue, the job-event stream, the demand queue, the fence
+/// Declares the submissions exchange and binds it into the events exchange
+/// for [`SUBMITTED_BINDING`] only ([`Topology::submitted_exchange`]).
+///
+/// # Errors
+/// [`AmqpError::Declare`].
+pub async fn declare_submitted_exchange(ch: &Channel, topo: &Topology) -> Result<(), AmqpError> {
+    let source = topo.submitted_exchange();
+    let destination = topo.events_exchange();
+    declare_exchange(ch, &source, ExchangeKind::Topic).await?;
+    bounded(
+        &format!("bind exchange {destination} to {source}"),
+        DECLARE_TIMEOUT,
+        async {
+            ch.exchange_bind(
+                destination.as_str().into(),
+                source.as_str().into(),
+                SUBMITTED_BINDING.into(),
+                ExchangeBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| AmqpError::Declare {
+                name: destination.clone(),
+                source,
+            })
+        },
+    )
+    .await
+}
+
+/// Declares the whole topology (the controller's part): exchanges (the
+/// submissions exchange included), the dead-letter queue, the job-event stream, the demand queue, the fence
 /// queue and its exchange, the agent registry and the pool queues of
 /// `pools`. Idempotent.
 ///
@@ -191,6 +225,7 @@ pub async fn declare_topology<'a>(
     pools: impl IntoIterator<Item = &'a str>,
 ) -> Result<(), AmqpError> {
     declare_exchanges(ch, topo).await?;
+    declare_submitted_exchange(ch, topo).await?;
     declare_bound_queue(
         ch,
         &topo.dead_queue(),

@@ -73,3 +73,45 @@ pub async fn subscribe(
     })
     .await
 }
+
+/// Consumes the stream queue `queue` (RabbitMQ 3.9+) from its first
+/// retained message (`x-stream-offset = first`) with manual acks and
+/// prefetch `prefetch` (the broker requires both for a stream; acks only
+/// grant credit, they remove nothing), consumer tag `consumer_tag`, on
+/// `ch` (which it sets the prefetch of). Bounded by [`SUBSCRIBE_TIMEOUT`].
+///
+/// # Errors
+/// [`AmqpError::Op`] (a missing stream is 404 NOT_FOUND, which closes
+/// `ch`), [`AmqpError::Timeout`].
+pub async fn consume_stream_from_first(
+    ch: &Channel,
+    queue: &str,
+    consumer_tag: &str,
+    prefetch: u16,
+) -> Result<lapin::Consumer, AmqpError> {
+    use lapin::options::BasicQosOptions;
+    use lapin::types::{AMQPValue, LongString};
+    bounded(
+        &format!("consume the stream {queue}"),
+        SUBSCRIBE_TIMEOUT,
+        async {
+            ch.basic_qos(prefetch, BasicQosOptions::default())
+                .await
+                .map_err(AmqpError::op("basic.qos"))?;
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-stream-offset".into(),
+                AMQPValue::LongString(LongString::from("first")),
+            );
+            ch.basic_consume(
+                queue.into(),
+                consumer_tag.into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await
+            .map_err(AmqpError::op("basic.consume"))
+        },
+    )
+    .await
+}

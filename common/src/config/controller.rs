@@ -152,6 +152,31 @@ pub struct ControllerConfig {
     pub loss_limit: u32,
     /// Pools by name.
     pub pools: BTreeMap<String, PoolConfig>,
+    /// The job table (`[jobs]`).
+    pub jobs: JobsSection,
+}
+
+/// `[jobs]`: the job table the controller builds from the event stream
+/// and serves at `/jobs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct JobsSection {
+    /// Seconds an ended job stays in the table after its end (Torque's
+    /// `keep_completed`; default 86400, one day). The event stream keeps
+    /// events for its own retention (7 days) whatever this says.
+    pub keep_completed_secs: f64,
+    /// File holding the bearer token that `/jobs` requires (mode 0600, the
+    /// token on its first line). Unset: `/jobs` is off (404).
+    pub api_token_file: Option<String>,
+}
+
+impl Default for JobsSection {
+    fn default() -> Self {
+        JobsSection {
+            keep_completed_secs: 86_400.0,
+            api_token_file: None,
+        }
+    }
 }
 
 impl Default for ControllerConfig {
@@ -165,6 +190,7 @@ impl Default for ControllerConfig {
             heartbeat_timeout_secs: 60.0,
             loss_limit: crate::topology::DEFAULT_LOSS_LIMIT,
             pools: BTreeMap::new(),
+            jobs: JobsSection::default(),
         }
     }
 }
@@ -212,6 +238,15 @@ impl ControllerConfig {
         }
         if self.loss_limit == 0 {
             p.push("loss_limit: must be at least 1".into());
+        }
+        if !(self.jobs.keep_completed_secs.is_finite() && self.jobs.keep_completed_secs >= 0.0) {
+            p.push(format!(
+                "jobs.keep_completed_secs: {} must be a number of seconds, 0 or more",
+                self.jobs.keep_completed_secs
+            ));
+        }
+        if self.jobs.api_token_file.as_deref() == Some("") {
+            p.push("jobs.api_token_file: empty (leave it out to turn /jobs off)".into());
         }
         if self.pools.is_empty() {
             p.push("pools: no pool configured (add a [pools.<name>] table)".into());

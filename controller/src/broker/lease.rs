@@ -257,11 +257,16 @@ impl Broker {
         while started.elapsed() < Duration::from_secs(60) {
             match tokio::time::timeout(Duration::from_millis(700), consumer.next()).await {
                 Ok(Some(Ok(d))) => {
-                    if !d.routing_key.as_str().ends_with(".started") {
-                        if let Ok(ev) = JobEvent::decode(&d.data) {
-                            if ids.contains(&ev.job_id) {
-                                found.insert(ev.job_id);
-                            }
+                    // Decoded as delivered: a submitter's `queued` route
+                    // cannot pass for a final result.
+                    let user_id = d.properties.user_id().as_ref().map(|u| u.as_str());
+                    if let Ok(ev) =
+                        JobEvent::decode_delivered(&d.data, d.routing_key.as_str(), user_id)
+                    {
+                        let is_final =
+                            !matches!(ev.state, JobState::Started | JobState::Queued { .. });
+                        if is_final && ids.contains(&ev.job_id) {
+                            found.insert(ev.job_id);
                         }
                     }
                     let _ = d.acker.ack(BasicAckOptions::default()).await;

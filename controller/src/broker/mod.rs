@@ -67,6 +67,9 @@ pub struct Broker {
     metrics: Arc<Metrics>,
     /// Whether a session was ever established (later ones are reconnects).
     connected_once: AtomicBool,
+    /// The job table each session rebuilds from the event stream, and how
+    /// long ended jobs stay in it (seconds); `None`: no table.
+    jobs: Option<(crate::jobs::SharedJobs, f64)>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -90,7 +93,20 @@ impl Broker {
             shared: Arc::new(StdMutex::new(Shared::default())),
             metrics: Arc::new(Metrics::new()),
             connected_once: AtomicBool::new(false),
+            jobs: None,
         }
+    }
+
+    /// Keeps `jobs` current from the event stream with every session,
+    /// forgetting ended jobs `keep_completed_secs` after their end
+    /// ([`crate::jobs::feed`]).
+    pub fn with_job_table(
+        mut self,
+        jobs: crate::jobs::SharedJobs,
+        keep_completed_secs: f64,
+    ) -> Self {
+        self.jobs = Some((jobs, keep_completed_secs));
+        self
     }
 
     /// Counts reconnects, job events and dead letters in `metrics`
@@ -162,10 +178,28 @@ impl Broker {
         if self.connected_once.swap(true, Ordering::Relaxed) {
             self.metrics.broker_reconnects.inc();
         }
+        let mut tasks = vec![events, demand, alarms, dead];
+        if let Some((jobs, keep)) = &self.jobs {
+            // The table is secondary to acting: a session whose stream
+            // consumer cannot start acts anyway, and /jobs says why.
+            match crate::jobs::feed::start(&conn, &self.topo, jobs.clone(), *keep).await {
+                Ok(task) => tasks.push(task),
+                Err(e) => {
+                    let why = format!(
+                        "cannot follow the job-event stream: {}",
+                        vq_common::error::chain(&e)
+                    );
+                    tracing::warn!(error = %why, "job table not built");
+                    let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+                    v.complete = false;
+                    v.stalled = Some(why);
+                }
+            }
+        }
         *guard = Some(Session {
             conn,
             channel,
-            tasks: vec![events, demand, alarms, dead],
+            tasks,
         });
         Ok(())
     }

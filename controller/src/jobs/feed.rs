@@ -1,0 +1,152 @@
+//! Keeps the [`JobTable`] current: a consumer of the job-event stream
+//! `<c>.events.log` from its first retained message, started with every
+//! broker session. The table is rebuilt from scratch each time (the
+//! controller holds no state of its own), and is *complete* once the
+//! consumer has caught up: the first moment no message arrived for
+//! [`CAUGHT_UP_IDLE`]. Until then `/jobs` answers 503.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::BasicAckOptions;
+use lapin::{Channel, Connection};
+use vq_common::amqp::{self, AmqpError};
+use vq_common::messages::{unix_now, JobEvent};
+use vq_common::topology::Topology;
+
+use super::table::JobTable;
+
+/// Prefetch of the stream consumer, messages (the stream needs acks to
+/// grant credit: acked in batches of half of it, and whenever the stream
+/// is quiet).
+pub const STREAM_PREFETCH: u16 = 2000;
+
+/// The table counts as caught up with the stream after this long without a
+/// message.
+pub const CAUGHT_UP_IDLE: Duration = Duration::from_millis(300);
+
+/// How often ended jobs past `keep_completed_secs` are forgotten.
+pub const EXPIRE_EVERY: Duration = Duration::from_secs(30);
+
+/// The table and whether it reflects the whole stream.
+#[derive(Debug, Default)]
+pub struct JobsView {
+    /// The table.
+    pub table: JobTable,
+    /// Whether the consumer caught up with the stream since it (re)started.
+    pub complete: bool,
+    /// Why the table is not complete, for `/jobs`' 503 (`None` while
+    /// catching up for the first time).
+    pub stalled: Option<String>,
+}
+
+/// Shared handle on the view.
+pub type SharedJobs = Arc<RwLock<JobsView>>;
+
+/// Starts following the stream on `conn`: the table in `jobs` is emptied
+/// and rebuilt from the stream's first message; ended jobs are forgotten
+/// `keep_completed_secs` after their end.
+///
+/// # Errors
+/// [`AmqpError`] if the channel or the consumer cannot be opened.
+pub async fn start(
+    conn: &Connection,
+    topo: &Topology,
+    jobs: SharedJobs,
+    keep_completed_secs: f64,
+) -> Result<tokio::task::JoinHandle<()>, AmqpError> {
+    let ch = conn
+        .create_channel()
+        .await
+        .map_err(AmqpError::op("channel.open (job table)"))?;
+    let consumer = amqp::consume_stream_from_first(
+        &ch,
+        &topo.event_log_queue(),
+        "vq-controller-jobs",
+        STREAM_PREFETCH,
+    )
+    .await?;
+    {
+        let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+        *v = JobsView::default();
+    }
+    Ok(tokio::spawn(follow(
+        consumer,
+        ch,
+        jobs,
+        keep_completed_secs,
+    )))
+}
+
+async fn follow(mut consumer: lapin::Consumer, _ch: Channel, jobs: SharedJobs, keep: f64) {
+    let mut unacked: Option<lapin::Acker> = None;
+    let mut pending = 0u32;
+    let mut last_expiry = tokio::time::Instant::now();
+    loop {
+        if last_expiry.elapsed() >= EXPIRE_EVERY {
+            last_expiry = tokio::time::Instant::now();
+            let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+            let n = v.table.expire(unix_now(), keep);
+            if n > 0 {
+                tracing::debug!(
+                    forgotten = n,
+                    "job table: ended jobs past keep_completed_secs forgotten"
+                );
+            }
+        }
+        let next = tokio::time::timeout(CAUGHT_UP_IDLE, consumer.next()).await;
+        let delivery = match next {
+            Err(_) => {
+                // Quiet: ack what was taken (credit), mark caught up.
+                if let Some(a) = unacked.take() {
+                    let _ = a.ack(BasicAckOptions { multiple: true }).await;
+                    pending = 0;
+                }
+                let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+                if !v.complete {
+                    tracing::info!(
+                        jobs = v.table.len(),
+                        events = v.table.events_applied,
+                        "job table built from the event stream"
+                    );
+                }
+                v.complete = true;
+                continue;
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                tracing::warn!(error = %e, "job-event stream consumer failed");
+                break;
+            }
+            Ok(Some(Ok(d))) => d,
+        };
+        let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str());
+        match JobEvent::decode_delivered(&delivery.data, delivery.routing_key.as_str(), user_id) {
+            Ok(ev) => jobs
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .table
+                .apply(&ev, message_id),
+            Err(e) => {
+                tracing::debug!(routing_key = %delivery.routing_key, error = %e, "job table: skipping an event")
+            }
+        }
+        pending += 1;
+        if pending >= u32::from(STREAM_PREFETCH) / 2 {
+            let _ = delivery.acker.ack(BasicAckOptions { multiple: true }).await;
+            pending = 0;
+            unacked = None;
+        } else {
+            unacked = Some(delivery.acker);
+        }
+    }
+    let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+    v.complete = false;
+    v.stalled = Some("the job-event stream consumer ended; the table is rebuilt when the broker session restarts".into());
+}

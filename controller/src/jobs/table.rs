@@ -1,0 +1,518 @@
+//! The job table (DESIGN.md, "The job table and the operator's view"): one
+//! record per job, folded from the job events of the retained stream
+//! `<c>.events.log` and kept in memory. The controller stays stateless: a
+//! new broker session rebuilds the table from the stream's first message
+//! ([`crate::jobs::feed`]).
+//!
+//! A job is `(job_id, submission)` ([`JobEvent::submission`]): an id
+//! submitted again after its job ended is another job; an event without a
+//! submission joins the id's latest job. Events are applied in stream
+//! order; a `queued` event never moves a job back (it may reach the stream
+//! after the job's `started`), a later `started` (a rerun after a node
+//! loss) reopens it, a repeated event (same `message_id`, from a publish
+//! whose confirm was lost) changes nothing. Ended jobs are forgotten
+//! [`JobTable::expire`] seconds after their end, as Torque's
+//! `keep_completed`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+use vq_common::messages::{JobEvent, JobRequest, JobState, Outcome};
+
+/// A job's state as `qstat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// `Q`: in its pool queue.
+    Queued,
+    /// `R`: started, no end seen.
+    Running,
+    /// `C`: completed (exited, signalled, walltime or output limit).
+    Completed,
+    /// `F`: failed (refused, failed to start, node lost).
+    Failed,
+    /// `X`: cancelled.
+    Cancelled,
+}
+
+impl State {
+    /// The one-letter code of `qstat`.
+    pub fn letter(self) -> char {
+        match self {
+            State::Queued => 'Q',
+            State::Running => 'R',
+            State::Completed => 'C',
+            State::Failed => 'F',
+            State::Cancelled => 'X',
+        }
+    }
+
+    /// Parses a letter (`Q R C F X`, either case).
+    pub fn from_letter(c: char) -> Option<State> {
+        Some(match c.to_ascii_uppercase() {
+            'Q' => State::Queued,
+            'R' => State::Running,
+            'C' => State::Completed,
+            'F' => State::Failed,
+            'X' => State::Cancelled,
+            _ => return None,
+        })
+    }
+
+    fn ended(self) -> bool {
+        matches!(self, State::Completed | State::Failed | State::Cancelled)
+    }
+}
+
+/// One job of the table (the `/jobs` JSON shape).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobRecord {
+    /// Job id.
+    pub id: String,
+    /// Submission fingerprint (`None` when no event named it).
+    pub submission: Option<String>,
+    /// Job name.
+    pub name: String,
+    /// Owner (the user it runs as).
+    pub owner: String,
+    /// Pool.
+    pub pool: String,
+    /// Broker user that submitted it (validated by the broker).
+    pub submitter: Option<String>,
+    /// Current state.
+    pub state: State,
+    /// `state` as a letter.
+    pub letter: char,
+    /// Agent of the latest start (empty before).
+    pub agent: String,
+    /// Which execution the latest start was (1 + losses).
+    pub attempt: u32,
+    /// PBS exit status once ended ([`Outcome::exit_status`]).
+    pub exit_status: Option<i32>,
+    /// Why it failed or ended without running.
+    pub reason: Option<String>,
+    /// What it asked for (from its `queued` event).
+    pub request: Option<JobRequest>,
+    /// Submission, start and end times, Unix seconds (senders' clocks).
+    pub queued_at: Option<f64>,
+    /// See [`JobRecord::queued_at`].
+    pub started_at: Option<f64>,
+    /// See [`JobRecord::queued_at`].
+    pub ended_at: Option<f64>,
+    /// Wall, user CPU and system CPU seconds, and max RSS bytes, once ended.
+    pub usage: Option<vq_common::messages::Usage>,
+}
+
+type Key = (String, Option<String>);
+
+/// The table: records by `(job_id, submission)`, in order of first event.
+#[derive(Debug, Default)]
+pub struct JobTable {
+    jobs: HashMap<Key, JobRecord>,
+    /// Latest submission of each id (for events that name none).
+    latest: HashMap<String, Option<String>>,
+    /// Order of first appearance (a sequence number per key).
+    order: BTreeMap<u64, Key>,
+    seq_of: HashMap<Key, u64>,
+    next_seq: u64,
+    /// `message_id`s applied, so a retransmission is not applied twice
+    /// (only ids of jobs still in the table are kept).
+    seen: HashMap<Key, Vec<String>>,
+    /// Events applied since the table was (re)built.
+    pub events_applied: u64,
+}
+
+impl JobTable {
+    /// An empty table.
+    pub fn new() -> JobTable {
+        JobTable::default()
+    }
+
+    /// Number of jobs.
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Whether the table holds no job.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// Applies one event (decoded as delivered,
+    /// [`JobEvent::decode_delivered`]) with its AMQP `message_id`.
+    /// Duplicate-message reports ([`JobEvent::duplicate`]) say nothing
+    /// about the job and are skipped.
+    pub fn apply(&mut self, ev: &JobEvent, message_id: Option<&str>) {
+        if ev.duplicate.is_some() {
+            return;
+        }
+        let submission = match &ev.submission {
+            Some(s) => Some(s.clone()),
+            None => self.latest.get(&ev.job_id).cloned().flatten(),
+        };
+        self.latest.insert(ev.job_id.clone(), submission.clone());
+        let key: Key = (ev.job_id.clone(), submission.clone());
+        if let Some(id) = message_id {
+            let seen = self.seen.entry(key.clone()).or_default();
+            if seen.iter().any(|s| s == id) {
+                return;
+            }
+            seen.push(id.to_string());
+        }
+        self.events_applied += 1;
+        if !self.jobs.contains_key(&key) {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.order.insert(seq, key.clone());
+            self.seq_of.insert(key.clone(), seq);
+        }
+        let r = self.jobs.entry(key).or_insert_with(|| JobRecord {
+            id: ev.job_id.clone(),
+            submission,
+            name: ev.job_name.clone(),
+            owner: ev.owner.clone(),
+            pool: ev.pool.clone(),
+            submitter: None,
+            state: State::Queued,
+            letter: 'Q',
+            agent: String::new(),
+            attempt: 0,
+            exit_status: None,
+            reason: None,
+            request: None,
+            queued_at: None,
+            started_at: None,
+            ended_at: None,
+            usage: None,
+        });
+        if !ev.job_name.is_empty() {
+            r.name = ev.job_name.clone();
+        }
+        if !ev.owner.is_empty() {
+            r.owner = ev.owner.clone();
+        }
+        if r.submitter.is_none() {
+            r.submitter = ev.submitter.clone();
+        }
+        match &ev.state {
+            JobState::Queued { request } => {
+                r.request = Some(request.clone());
+                r.queued_at = Some(ev.at);
+            }
+            JobState::Started => {
+                // A start older than the latest one (reordered copies) does
+                // not reopen an ended job.
+                if ev.attempt >= r.attempt {
+                    r.state = State::Running;
+                    r.attempt = ev.attempt;
+                    r.agent = ev.agent.clone();
+                    r.started_at = Some(ev.at);
+                    r.ended_at = None;
+                    r.exit_status = None;
+                    r.reason = None;
+                    r.usage = None;
+                }
+            }
+            JobState::Finished { outcome, usage } => {
+                r.state = match outcome {
+                    Outcome::Cancelled => State::Cancelled,
+                    Outcome::FailedToStart { reason } => {
+                        r.reason = Some(reason.clone());
+                        State::Failed
+                    }
+                    _ => State::Completed,
+                };
+                if !ev.agent.is_empty() {
+                    r.agent = ev.agent.clone();
+                }
+                r.exit_status = Some(outcome.exit_status());
+                r.ended_at = Some(ev.at);
+                r.usage = Some(*usage);
+            }
+            JobState::Failed { reason } => {
+                r.state = State::Failed;
+                r.reason = Some(reason.clone());
+                r.ended_at = Some(ev.at);
+            }
+        }
+        r.letter = r.state.letter();
+    }
+
+    /// Forgets jobs that ended more than `keep_secs` before `now` (Unix
+    /// seconds; Torque's `keep_completed`). Returns how many were dropped.
+    pub fn expire(&mut self, now: f64, keep_secs: f64) -> usize {
+        let old: Vec<Key> = self
+            .jobs
+            .iter()
+            .filter(|(_, r)| r.state.ended() && r.ended_at.is_some_and(|e| now - e > keep_secs))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            self.jobs.remove(k);
+            self.seen.remove(k);
+            if let Some(seq) = self.seq_of.remove(k) {
+                self.order.remove(&seq);
+            }
+            if self.latest.get(&k.0) == Some(&k.1) {
+                self.latest.remove(&k.0);
+            }
+        }
+        old.len()
+    }
+
+    /// The latest job named `id`.
+    pub fn get(&self, id: &str) -> Option<&JobRecord> {
+        let sub = self.latest.get(id)?;
+        self.jobs.get(&(id.to_string(), sub.clone()))
+    }
+
+    /// Jobs matching `filter`, in order of first event, at most `limit`,
+    /// starting after position `after` (a cursor from an earlier page);
+    /// returns them and the cursor of the next page, if any.
+    pub fn query(
+        &self,
+        filter: &Filter,
+        after: Option<u64>,
+        limit: usize,
+    ) -> (Vec<&JobRecord>, Option<u64>) {
+        let mut out = Vec::new();
+        let mut last = None;
+        let start = after.map_or(0, |a| a + 1);
+        for (seq, key) in self.order.range(start..) {
+            let Some(r) = self.jobs.get(key) else {
+                continue;
+            };
+            if !filter.matches(r) {
+                continue;
+            }
+            if out.len() == limit {
+                return (out, last);
+            }
+            out.push(r);
+            last = Some(*seq);
+        }
+        (out, None)
+    }
+}
+
+/// Which jobs `/jobs` lists.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Only jobs of this owner.
+    pub owner: Option<String>,
+    /// Only jobs in one of these states (empty: all).
+    pub states: Vec<State>,
+    /// Only jobs of this pool.
+    pub pool: Option<String>,
+}
+
+impl Filter {
+    /// Whether `r` passes.
+    pub fn matches(&self, r: &JobRecord) -> bool {
+        self.owner.as_ref().is_none_or(|o| &r.owner == o)
+            && (self.states.is_empty() || self.states.contains(&r.state))
+            && self.pool.as_ref().is_none_or(|p| &r.pool == p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vq_common::messages::{JobEvent, JobState, Outcome, Usage};
+
+    use super::*;
+
+    fn ev(id: &str, sub: Option<&str>, at: f64, state: JobState) -> JobEvent {
+        let mut e = JobEvent::about(None, id, "p", "ag1", Some("alice"), state);
+        e.owner = "alice".into();
+        e.submission = sub.map(str::to_string);
+        e.at = at;
+        e
+    }
+
+    fn queued(id: &str, sub: &str, at: f64) -> JobEvent {
+        ev(
+            id,
+            Some(sub),
+            at,
+            JobState::Queued {
+                request: JobRequest {
+                    walltime: Some(60),
+                    ..Default::default()
+                },
+            },
+        )
+    }
+
+    fn done(code: i32) -> JobState {
+        JobState::Finished {
+            outcome: Outcome::Exited { code },
+            usage: Usage {
+                wall_secs: 2.0,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn apply(t: &mut JobTable, e: &JobEvent) {
+        t.apply(e, Some(&e.message_id()));
+    }
+
+    #[test]
+    fn a_job_goes_from_queued_to_its_end_and_a_late_queued_never_moves_it_back() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("a", "s1", 1.0));
+        assert_eq!(t.get("a").unwrap().state, State::Queued);
+        assert_eq!(
+            t.get("a").unwrap().request.as_ref().unwrap().walltime,
+            Some(60)
+        );
+        apply(&mut t, &ev("a", Some("s1"), 2.0, JobState::Started));
+        let r = t.get("a").unwrap();
+        assert_eq!(
+            (r.state, r.letter, r.agent.as_str()),
+            (State::Running, 'R', "ag1")
+        );
+        apply(&mut t, &ev("a", Some("s1"), 4.0, done(3)));
+        let r = t.get("a").unwrap();
+        assert_eq!(
+            (r.state, r.exit_status, r.ended_at),
+            (State::Completed, Some(3), Some(4.0))
+        );
+        assert_eq!(r.queued_at, Some(1.0));
+
+        // Started and finished before the queued event reached the stream.
+        let mut t = JobTable::new();
+        apply(&mut t, &ev("b", Some("s"), 2.0, JobState::Started));
+        apply(&mut t, &ev("b", Some("s"), 3.0, done(0)));
+        apply(&mut t, &queued("b", "s", 1.0));
+        let r = t.get("b").unwrap();
+        assert_eq!(r.state, State::Completed);
+        assert!(r.request.is_some());
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_retransmitted_event_changes_nothing_and_a_rerun_reopens_the_job() {
+        let mut t = JobTable::new();
+        let start = ev("a", Some("s"), 2.0, JobState::Started);
+        apply(&mut t, &start);
+        let fail = ev(
+            "a",
+            Some("s"),
+            3.0,
+            JobState::Failed {
+                reason: "node lost".into(),
+            },
+        );
+        apply(&mut t, &fail);
+        // The first start again (its confirm was lost): still failed.
+        apply(&mut t, &start);
+        assert_eq!(t.get("a").unwrap().state, State::Failed);
+        assert_eq!(t.events_applied, 2);
+        // A rerun (attempt 2) on another agent reopens it.
+        let mut rerun = ev("a", Some("s"), 5.0, JobState::Started);
+        rerun.attempt = 2;
+        rerun.agent = "ag2".into();
+        apply(&mut t, &rerun);
+        let r = t.get("a").unwrap();
+        assert_eq!(
+            (r.state, r.attempt, r.agent.as_str()),
+            (State::Running, 2, "ag2")
+        );
+        assert_eq!(r.reason, None);
+    }
+
+    #[test]
+    fn an_id_submitted_again_is_a_new_job_and_duplicate_reports_are_not_about_the_job() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("a", "s1", 1.0));
+        apply(&mut t, &ev("a", Some("s1"), 2.0, done(0)));
+        apply(&mut t, &queued("a", "s2", 3.0));
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get("a").unwrap().submission.as_deref(), Some("s2"));
+        assert_eq!(t.get("a").unwrap().state, State::Queued);
+        // An event naming no submission joins the latest one.
+        apply(&mut t, &ev("a", None, 4.0, JobState::Started));
+        assert_eq!(t.get("a").unwrap().state, State::Running);
+        assert_eq!(t.len(), 2);
+        let mut dup = ev(
+            "a",
+            Some("s2"),
+            5.0,
+            JobState::Failed {
+                reason: "duplicate".into(),
+            },
+        );
+        dup.duplicate = Some("ffff".into());
+        apply(&mut t, &dup);
+        assert_eq!(t.get("a").unwrap().state, State::Running);
+        // Cancelled shows X with Torque's 271.
+        apply(
+            &mut t,
+            &ev(
+                "a",
+                Some("s2"),
+                6.0,
+                JobState::Finished {
+                    outcome: Outcome::Cancelled,
+                    usage: Usage::default(),
+                },
+            ),
+        );
+        let r = t.get("a").unwrap();
+        assert_eq!((r.letter, r.exit_status), ('X', Some(271)));
+    }
+
+    #[test]
+    fn ended_jobs_are_forgotten_after_keep_completed_and_others_never() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("q", "s", 1.0));
+        apply(&mut t, &ev("r", Some("s"), 1.0, JobState::Started));
+        apply(&mut t, &ev("c", Some("s"), 1.0, JobState::Started));
+        apply(&mut t, &ev("c", Some("s"), 10.0, done(0)));
+        assert_eq!(t.expire(100.0, 100.0), 0);
+        assert_eq!(t.expire(111.0, 100.0), 1);
+        assert!(t.get("c").is_none());
+        assert_eq!(t.len(), 2);
+        let (all, _) = t.query(&Filter::default(), None, 10);
+        let ids: Vec<_> = all.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["q", "r"]);
+    }
+
+    #[test]
+    fn queries_filter_and_page_in_submission_order() {
+        let mut t = JobTable::new();
+        for i in 0..7 {
+            let mut e = queued(&format!("j{i}"), "s", f64::from(i));
+            if i % 2 == 1 {
+                e.owner = "bob".into();
+            }
+            apply(&mut t, &e);
+        }
+        apply(&mut t, &ev("j0", Some("s"), 9.0, JobState::Started));
+        let f = Filter {
+            owner: Some("alice".into()),
+            ..Default::default()
+        };
+        let (page, next) = t.query(&f, None, 2);
+        let ids: Vec<_> = page.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["j0", "j2"]);
+        let (page, next) = t.query(&f, next, 2);
+        let ids: Vec<_> = page.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["j4", "j6"]);
+        assert_eq!(next, None, "no page after the last match");
+        let running = Filter {
+            states: vec![State::Running],
+            ..Default::default()
+        };
+        let (page, next) = t.query(&running, None, 10);
+        assert_eq!((page.len(), page[0].id.as_str(), next), (1, "j0", None));
+        let other = Filter {
+            pool: Some("other".into()),
+            ..Default::default()
+        };
+        assert!(t.query(&other, None, 10).0.is_empty());
+        assert_eq!(State::from_letter('x'), Some(State::Cancelled));
+        assert_eq!(State::from_letter('Z'), None);
+    }
+}
