@@ -197,6 +197,15 @@ pub enum NssError {
         /// The offending line (lossy UTF-8).
         line: String,
     },
+    /// A passwd or group file (the `files` source) cannot be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The libc lookup (fallback without getent) failed.
     #[error("libc lookup failed")]
     Libc(#[source] nix::Error),

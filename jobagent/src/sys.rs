@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use crate::error::NssError;
-use crate::nss::Nss;
 pub use crate::nss::{GroupEntry, UserEntry};
 
 /// Host facts that job planning needs.
@@ -42,22 +41,23 @@ pub trait Sys: Send + Sync {
     fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError>;
 }
 
-/// The real host: users and groups through [`Nss::host`] (getent, else
-/// libc).
+/// The real host: users and groups through [`crate::nss::Nss::host`] (the files
+/// in-process when nsswitch says `files`, else getent, else libc), cached
+/// briefly ([`crate::nss::host_user`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostSys;
 
 impl Sys for HostSys {
     fn user_by_name(&self, name: &str) -> Result<Option<UserEntry>, NssError> {
-        Nss::host().user(name)
+        crate::nss::host_user(name)
     }
 
     fn group_by_name(&self, name: &str) -> Result<Option<GroupEntry>, NssError> {
-        Nss::host().group(name)
+        crate::nss::host_group(name)
     }
 
     fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError> {
-        Nss::host().group_list(user, primary)
+        crate::nss::host_group_list(user, primary)
     }
 }
 

@@ -45,7 +45,11 @@
 //! grace. Zombies of orphans (reparented to the agent) are reaped by a
 //! sweep that skips registered job leaders ([`crate::spawn::leaders`]) and
 //! root-owned children (the agent's own `getent` helpers, which std waits
-//! for), so `wait4` on a leader never races into `ECHILD`.
+//! for), so `wait4` on a leader never races into `ECHILD`. The sweep reads
+//! only the agent's children (`/proc/<agent>/task/*/children`), never all
+//! of `/proc` (except on kernels built without those files); with cgroups
+//! a job's processes come from its `cgroup.procs` alone, so no per-job
+//! work grows with the host's process count.
 //!
 //! # When the agent itself dies
 //! Each running job is recorded in `<state_dir>/running/<pid>.json` (leader
@@ -242,7 +246,13 @@ impl Members<'_> {
 /// Without a cgroup: records the job's current processes so a restarted
 /// agent can find processes that escaped the session.
 fn remember_members(members: &Members<'_>, record: &mut Record, state_dir: &Path) {
-    let now = fallback_members(members.leader.as_raw(), members.uid, members.host.agent_pid);
+    // Shared by all jobs for half a tick: one /proc scan per tick in all.
+    let now = procs::fallback_members_shared(
+        members.leader.as_raw(),
+        members.uid,
+        members.host.agent_pid,
+        TICK / 2,
+    );
     if now != record.members {
         record.members = now;
         write_record(state_dir, record);

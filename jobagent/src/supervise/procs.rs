@@ -51,12 +51,50 @@ pub(super) fn all_pids() -> Vec<i32> {
         .collect()
 }
 
+/// The pids listed in `children` files (`/proc/PID/task/TID/children`
+/// contents, space separated).
+pub(super) fn parse_children<'a>(files: impl IntoIterator<Item = &'a str>) -> Vec<i32> {
+    let mut pids: Vec<i32> = files
+        .into_iter()
+        .flat_map(|t| t.split_whitespace().filter_map(|p| p.parse().ok()))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+/// The agent's children (orphans reparented to it included, as it is a
+/// child subreaper), from `/proc/AGENT/task/*/children`, so a sweep reads
+/// only them and not every process of the host. `None` when the kernel
+/// has no `children` files (`CONFIG_PROC_CHILDREN` off).
+pub(super) fn children_of(agent_pid: i32) -> Option<Vec<i32>> {
+    let tasks = std::fs::read_dir(format!("/proc/{agent_pid}/task")).ok()?;
+    let mut texts = Vec::new();
+    for t in tasks.flatten() {
+        match std::fs::read_to_string(t.path().join("children")) {
+            Ok(text) => texts.push(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // A thread that just ended, or no `children` files at all.
+                if !t.path().exists() {
+                    continue;
+                }
+                return None;
+            }
+            Err(_) => continue,
+        }
+    }
+    Some(parse_children(texts.iter().map(String::as_str)))
+}
+
 /// Reaps zombie children of the agent that are not job leaders and not
-/// root-owned (see the module docs). Returns how many were reaped.
+/// root-owned (see the module docs). Returns how many were reaped. Reads
+/// only the agent's children ([`children_of`]); scans all of `/proc` only
+/// on kernels without `children` files. A child that ends while the list
+/// is read is reaped by the next sweep.
 pub(super) fn sweep_zombies(agent_pid: i32) -> usize {
     let leaders = leaders();
     let mut reaped = 0;
-    for pid in all_pids() {
+    for pid in children_of(agent_pid).unwrap_or_else(all_pids) {
         if leaders.contains(&pid) {
             continue;
         }
@@ -77,13 +115,54 @@ pub(super) fn sweep_zombies(agent_pid: i32) -> usize {
 /// time)`: its process group and session, orphans of `uid` reparented to
 /// the agent, and all their descendants.
 pub(super) fn fallback_members(leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
-    let leaders = leaders().clone();
-    let mut stats: BTreeMap<i32, ProcStat> = BTreeMap::new();
+    members_in(&process_table(), leader, uid, agent_pid)
+}
+
+/// The `stat` of every process of the host, by pid (one `/proc` scan).
+pub(super) type Table = BTreeMap<i32, ProcStat>;
+
+fn process_table() -> Table {
+    let mut stats = Table::new();
     for pid in all_pids() {
         if let Some(st) = proc_stat(pid) {
             stats.insert(pid, st);
         }
     }
+    stats
+}
+
+static SHARED_TABLE: std::sync::Mutex<Option<(std::time::Instant, std::sync::Arc<Table>)>> =
+    std::sync::Mutex::new(None);
+
+/// A process table at most `max_age` old, shared by every job that asks
+/// within that time: the periodic bookkeeping of all running jobs without
+/// a cgroup costs one `/proc` scan per tick, not one per job. Only for
+/// records ([`fallback_members_shared`]); signalling always scans afresh.
+fn shared_table(max_age: std::time::Duration) -> std::sync::Arc<Table> {
+    let mut guard = SHARED_TABLE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((at, t)) = guard.as_ref() {
+        if at.elapsed() < max_age {
+            return t.clone();
+        }
+    }
+    let t = std::sync::Arc::new(process_table());
+    *guard = Some((std::time::Instant::now(), t.clone()));
+    t
+}
+
+/// [`fallback_members`] from a table shared by all jobs for up to
+/// `max_age` ([`shared_table`]).
+pub(super) fn fallback_members_shared(
+    leader: i32,
+    uid: u32,
+    agent_pid: i32,
+    max_age: std::time::Duration,
+) -> Vec<(i32, u64)> {
+    members_in(&shared_table(max_age), leader, uid, agent_pid)
+}
+
+fn members_in(stats: &Table, leader: i32, uid: u32, agent_pid: i32) -> Vec<(i32, u64)> {
+    let leaders = leaders().clone();
     let mut members: BTreeSet<i32> = stats
         .iter()
         .filter(|(pid, st)| {
@@ -179,6 +258,23 @@ pub(super) fn pin_found(found: impl IntoIterator<Item = (i32, u64)>) -> Vec<JobP
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn children_files_parse_and_list_our_own_children() {
+        assert_eq!(parse_children(["12 7 ", "", "7 30\n"]), vec![7, 12, 30]);
+        assert_eq!(parse_children(["x 5"]), vec![5]);
+        let me = std::process::id() as i32;
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let kids = children_of(me);
+        let _ = child.kill();
+        let _ = child.wait();
+        if let Some(kids) = kids {
+            assert!(kids.contains(&(child.id() as i32)), "{kids:?}");
+        }
+    }
 
     #[test]
     fn our_own_stat_line_parses() {
