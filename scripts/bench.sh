@@ -17,4 +17,5 @@ cargo build -q -p vq-tests --bin launch-floor
 export VQ_LAUNCH_FLOOR_BIN=$T/debug/launch-floor
 echo "commit $(git rev-parse --short HEAD) $(date -u +%FT%TZ) agent $VQ_JOBAGENT_BIN ($(stat -c %s "$VQ_JOBAGENT_BIN") bytes)"
 echo "host: $(nproc) cores, $(ls /proc | grep -c '^[0-9]') processes, load $(cut -d' ' -f1-3 /proc/loadavg)"
+export VQ_BENCH=1
 exec cargo test -q -p vq-tests --test bench_agent -- --ignored --nocapture --test-threads 1
