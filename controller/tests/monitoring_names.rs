@@ -52,6 +52,8 @@ fn served_names() -> BTreeSet<String> {
         c.get_or_create(&cms_and("reason", "x")).inc();
     }
     m.cloud_errors.inc();
+    m.cloud_token_expiry.set(1.0);
+    m.set_credential_expiry(Some(1.0));
     m.broker_reconnects.inc();
     let text = m.render();
     let mut names = BTreeSet::new();
