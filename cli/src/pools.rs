@@ -65,7 +65,13 @@ pub fn render(status: &Value) -> Option<String> {
             errors.push(format!("{name}: last error: {err}\n"));
         }
         if let Some(why) = p.get("obstacle").and_then(Value::as_str) {
-            errors.push(format!("{name}: boots stopped: {why}\n"));
+            // The controller's planner limits hold some boots back; every
+            // other obstacle stops them (controller/src/status.rs).
+            let heading = match p.get("obstacle_kind").and_then(Value::as_str) {
+                Some("max" | "quota" | "boot-cooldown") => "boots held back",
+                _ => "boots stopped",
+            };
+            errors.push(format!("{name}: {heading}: {why}\n"));
         }
     }
     let mut widths = header.map(str::len);

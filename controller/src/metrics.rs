@@ -88,6 +88,9 @@ pub struct Metrics {
     pub pool_breaker_open: Family<Labels, Gauge>,
     /// The pool's consecutive boot failures.
     pub pool_boot_failures: Family<Labels, Gauge>,
+    /// 1 for the kind of the pool's current obstacle, 0 for the others
+    /// ([`crate::status::OBSTACLE_KINDS`]).
+    pub pool_obstacle: Family<Labels, Gauge>,
     /// Jobs the controller returned to their pool queue, by pool and
     /// reason (`node-lost`: their agent's server is gone).
     pub jobs_requeued: Family<Labels, Counter<u64, AtomicU64>>,
@@ -250,6 +253,7 @@ impl Metrics {
             pool_servers_stuck_deleting: Family::default(),
             cloud_token_expiry: Gauge::default(),
             jobs_requeued: Family::default(),
+            pool_obstacle: Family::default(),
             job_run: Family::new_with_constructor(job_run_histogram),
             cloud_credential_expiry: Family::default(),
             pool_boot_failures: Family::default(),
@@ -391,6 +395,11 @@ impl Metrics {
             m.pool_slots.clone(),
         );
         registry.register(
+            "vq_pool_obstacle",
+            "1 for the kind of what currently stops or holds back the pool's boots (server-unlisted, boot-backoff, breaker-open, breaker-half-open, max, quota, boot-cooldown, unobserved), 0 for the other kinds; the status page says it in words",
+            m.pool_obstacle.clone(),
+        );
+        registry.register(
             "vq_jobs_requeued",
             "Jobs the controller returned to their pool queue, by reason (node-lost: their agent's server is gone and the job is rerunnable within loss_limit)",
             m.jobs_requeued.clone(),
@@ -494,6 +503,16 @@ impl Metrics {
                 ("status".into(), status),
             ])
             .inc();
+    }
+
+    /// Sets `vq_pool_obstacle{pool,kind}`: 1 for `kind` (`None`: no
+    /// obstacle), 0 for every other kind.
+    pub fn pool_obstacle_kind(&self, pool: &str, kind: Option<&str>) {
+        for k in crate::status::OBSTACLE_KINDS {
+            self.pool_obstacle
+                .get_or_create(&Self::pool_and(pool, "kind", k))
+                .set(i64::from(Some(k) == kind));
+        }
     }
 
     /// Counts a job `pool` returned to its queue for `reason`.

@@ -378,6 +378,10 @@ pub struct World {
     /// Instances the quota allows at the start of the cycle (`None`:
     /// unlimited; `Some(0)` when it could not be read: boot nothing).
     pub quota_remaining: Option<u32>,
+    /// The instance quota in words, for the pools' obstacle when it holds
+    /// boots back ("10/10 instances used", "could not be read: …");
+    /// `None` when unlimited.
+    pub quota_note: Option<String>,
     /// The event book at the cycle's instant.
     pub events: EventSnapshot,
     /// The cycle's clock.
@@ -457,8 +461,12 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
             return Err(NoWorld::Failed(ObserveError::Servers(e)));
         }
     };
+    let quota_note;
     let quota_remaining = match cloud.quota().await {
         Ok(q) => {
+            quota_note = q
+                .max_instances
+                .map(|m| format!("{}/{m} instances used", q.used_instances));
             metrics.quota(
                 "instances",
                 q.used_instances.into(),
@@ -473,6 +481,10 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
             metrics.cloud_errors.inc();
             metrics.quota_unknown();
             tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
+            quota_note = Some(format!(
+                "the quota could not be read: {}",
+                vq_common::error::chain(&e)
+            ));
             Some(0)
         }
     };
@@ -488,6 +500,7 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
         servers,
         registered,
         quota_remaining,
+        quota_note,
         events,
         clock,
     })

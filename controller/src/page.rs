@@ -130,7 +130,8 @@ pub fn pool_state(p: &PoolStatus, blocked: Option<&str>) -> (Severity, String) {
         );
     }
     if let Some(o) = &p.obstacle {
-        return (Severity::Warn, format!("boots stopped: {o}"));
+        let heading = crate::status::obstacle_heading(p.obstacle_kind.as_deref());
+        return (Severity::Warn, format!("{heading}: {o}"));
     }
     if let Some(b) = blocked {
         return (

@@ -368,6 +368,14 @@ pub fn publish(
         ps.obstacle = observed.boot_gate.reason();
         ps.obstacle_kind = observed.boot_gate.kind().map(str::to_string);
     }
+    if ps.obstacle.is_none() {
+        if let Some(l) = &planned.limited {
+            ps.obstacle = Some(l.reason.clone());
+            ps.obstacle_kind = Some(l.kind.to_string());
+        }
+    }
+    let kind = ps.obstacle_kind.clone();
+    m.pool_obstacle_kind(pool, kind.as_deref());
     for a in &planned.actions {
         ps.last_decisions.push(Decision {
             at: now as u64,
@@ -462,12 +470,15 @@ pub fn show_failure(
         metrics.pool_unobserved(pool);
     }
     if let Some(ps) = write(status).pools.get_mut(pool) {
+        if !failure.observed {
+            ps.observed = false;
+            ps.obstacle = Some(format!("not observed: {}", failure.error));
+            ps.obstacle_kind = Some(OBSTACLE_UNOBSERVED.into());
+            metrics.pool_obstacle_kind(pool, Some(OBSTACLE_UNOBSERVED));
+        }
         ps.last_error = Some(failure.error);
         ps.failures = failure.attempts;
         ps.failure_permanent = failure.permanent;
-        if !failure.observed {
-            ps.observed = false;
-        }
     }
 }
 
@@ -576,6 +587,36 @@ pub fn readiness(report: &StatusReport) -> Vec<String> {
 /// the listings do not show.
 pub const OBSTACLE_UNLISTED: &str = "server-unlisted";
 
+/// `obstacle_kind` of a pool whose observation failed (its counts are not
+/// current; `obstacle` says why).
+pub const OBSTACLE_UNOBSERVED: &str = "unobserved";
+
+/// Every `obstacle_kind` (the `kind` label of `vq_pool_obstacle`): an
+/// unlisted created server, the boot gate's (`boot-backoff`,
+/// `breaker-open`, `breaker-half-open`), the planner's limits (`max`,
+/// `quota`, `boot-cooldown`), `unobserved`.
+pub const OBSTACLE_KINDS: [&str; 8] = [
+    OBSTACLE_UNLISTED,
+    "boot-backoff",
+    "breaker-open",
+    "breaker-half-open",
+    crate::plan::LIMIT_MAX,
+    crate::plan::LIMIT_QUOTA,
+    crate::plan::LIMIT_COOLDOWN,
+    OBSTACLE_UNOBSERVED,
+];
+
+/// How `vq pools` and the status page introduce an obstacle of `kind`:
+/// the planner's limits hold some boots back, the others stop them.
+pub fn obstacle_heading(kind: Option<&str>) -> &'static str {
+    match kind {
+        Some(crate::plan::LIMIT_MAX | crate::plan::LIMIT_QUOTA | crate::plan::LIMIT_COOLDOWN) => {
+            "boots held back"
+        }
+        _ => "boots stopped",
+    }
+}
+
 /// Whether `pool`'s entry shows the obstacle of an unlisted created server
 /// (its boots are stopped).
 pub fn has_obstacle(status: &RwLock<StatusReport>, pool: &str) -> bool {
@@ -611,9 +652,18 @@ pub fn show_breaker(
     let ps = st.pools.entry(pool.to_string()).or_default();
     ps.boot_failures = failures;
     if ps.obstacle_kind.as_deref() != Some(OBSTACLE_UNLISTED) {
-        ps.obstacle = gate.reason();
-        ps.obstacle_kind = gate.kind().map(str::to_string);
+        // A gate that opened after the act step leaves the planner's limit
+        // of this cycle shown.
+        let planner = matches!(
+            ps.obstacle_kind.as_deref(),
+            Some(crate::plan::LIMIT_MAX | crate::plan::LIMIT_QUOTA | crate::plan::LIMIT_COOLDOWN)
+        );
+        if gate.kind().is_some() || !planner {
+            ps.obstacle = gate.reason();
+            ps.obstacle_kind = gate.kind().map(str::to_string);
+        }
     }
+    metrics.pool_obstacle_kind(pool, ps.obstacle_kind.as_deref());
 }
 
 /// Shows the pool's servers that will not go ([`crate::deletes`]) in
@@ -664,6 +714,7 @@ mod tests {
             classes: vec![],
             actions: vec![],
             held: vec![],
+            limited: None,
         };
         (o, p)
     }

@@ -533,3 +533,82 @@ async fn a_delete_that_does_nothing_is_polled_not_repeated_and_flagged_after_its
         .await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_full_quota_and_an_unreachable_cloud_are_the_pool_s_obstacle_until_they_clear(
+) -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    // The project's instance quota is 0: the pool's one server (min 1)
+    // cannot be booted.
+    let sim = start_sim(dir.path(), |c| c.quota_instances = 0).await?;
+    let ctl = start_controller(&sim, dir, "")?;
+    let p = ctl
+        .wait_status("the quota obstacle", Duration::from_secs(60), |p| {
+            p["obstacle_kind"] == "quota"
+        })
+        .await?;
+    let obstacle = p["obstacle"].as_str().unwrap_or_default().to_string();
+    ensure!(
+        obstacle.contains("1 more wanted, 0 allowed") && obstacle.contains("0/0 instances used"),
+        "the obstacle does not give the quota's figures: {obstacle}"
+    );
+    // It stays while the quota is full (not one sample in three).
+    ctl.wait_cycles(5).await?;
+    let p = ctl.pool_status().await.context("status")?;
+    ensure!(p["obstacle_kind"] == "quota", "obstacle gone: {p}");
+    let metrics_url = ctl.status_url.replace("/status", "/metrics");
+    let metrics = http().get(&metrics_url).send().await?.text().await?;
+    for (kind, v) in [("quota", 1), ("max", 0), ("unobserved", 0)] {
+        let want = format!("vq_pool_obstacle{{pool=\"{POOL}\",kind=\"{kind}\"}} {v}");
+        ensure!(metrics.contains(&want), "no {want} in /metrics:\n{metrics}");
+    }
+    let cli = build_bin("vq-cli", "vq")?;
+    let pools = |ctl: &Running| -> Result<String> {
+        let out = Command::new(&cli)
+            .args([
+                "pools",
+                "--controller",
+                &ctl.status_url.replace("/status", ""),
+            ])
+            .env("VQ_CLUSTER", &ctl.cluster)
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let shown = pools(&ctl)?;
+    ensure!(
+        shown.contains("boots held back: instance quota"),
+        "vq pools does not show the quota: {shown}"
+    );
+    // The cloud stops answering listings: the pool is not observed, and
+    // says so as its obstacle.
+    sim_faults(
+        &sim,
+        serde_json::json!({"fail_next": [{"method": "GET", "path_prefix": "/compute/v2.1/servers", "status": 503, "count": 100000}]}),
+    )
+    .await?;
+    let p = ctl
+        .wait_status("the unobserved obstacle", Duration::from_secs(60), |p| {
+            p["obstacle_kind"] == "unobserved"
+        })
+        .await?;
+    let obstacle = p["obstacle"].as_str().unwrap_or_default();
+    ensure!(
+        obstacle.starts_with("not observed: ") && obstacle.contains("503"),
+        "{obstacle}"
+    );
+    let metrics = http().get(&metrics_url).send().await?.text().await?;
+    let want = format!("vq_pool_obstacle{{pool=\"{POOL}\",kind=\"unobserved\"}} 1");
+    ensure!(metrics.contains(&want), "no {want} in /metrics:\n{metrics}");
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}

@@ -183,7 +183,28 @@ pub struct Plan {
     pub actions: Vec<Action>,
     /// Things the rule wanted but held back (cooldown, quota, max), for logs.
     pub held: Vec<String>,
+    /// The first limit that cut the boots the rule wanted, for `/status`
+    /// (`obstacle`, `obstacle_kind`) and `vq_pool_obstacle`: `None` when
+    /// every wanted boot is made, or when only the boot gate or an unlisted
+    /// server cut them (those are shown as the pool's state already).
+    pub limited: Option<Limit>,
 }
+
+/// A limit that held boots back ([`Plan::limited`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limit {
+    /// [`LIMIT_MAX`], [`LIMIT_QUOTA`] or [`LIMIT_COOLDOWN`].
+    pub kind: &'static str,
+    /// In words, with the figures.
+    pub reason: String,
+}
+
+/// The pool's `max` is reached.
+pub const LIMIT_MAX: &str = "max";
+/// The project's instance quota is used up (or could not be read).
+pub const LIMIT_QUOTA: &str = "quota";
+/// A boot failed less than `cooldown_secs` ago.
+pub const LIMIT_COOLDOWN: &str = "boot-cooldown";
 
 /// Judges one server.
 pub fn classify(s: &ObservedServer, pool: &PoolConfig, obs: &Observed, t: Timing) -> Class {
@@ -288,6 +309,12 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
     let vt = wanted.clamp(pool.min, pool.max.max(pool.min));
     let mut actions = Vec::new();
     let mut held = Vec::new();
+    let mut limited: Option<Limit> = None;
+    let mut limit = |kind: &'static str, reason: String| {
+        if limited.is_none() {
+            limited = Some(Limit { kind, reason });
+        }
+    };
 
     // Deletions of servers that are gone in all but name.
     let mut deleted = 0u32;
@@ -327,6 +354,15 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
     let vanishing = count(&|c| c == Class::Vanishing);
     let kept = obs.servers.len() as u32 - deleted - vanishing + obs.unlisted_created;
 
+    if wanted > vt {
+        limit(
+            LIMIT_MAX,
+            format!(
+                "pool at max {}: {demand} jobs need {wanted} VMs at {slots} slots/VM",
+                pool.max
+            ),
+        );
+    }
     let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
     let why = format!(
         "target {vt} VMs for {} queued + {} running jobs at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
@@ -340,6 +376,13 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 "{why}: wanted {n} more, but only {headroom} fit under max {} ({kept} servers exist)",
                 pool.max
             ));
+            limit(
+                LIMIT_MAX,
+                format!(
+                    "pool at max {}: {kept} servers, {n} more wanted, {headroom} allowed",
+                    pool.max
+                ),
+            );
             n = headroom;
         }
         if let Some(q) = obs.quota_remaining {
@@ -347,6 +390,10 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 held.push(format!(
                     "{why}: wanted {n} more, but the instance quota allows only {q}"
                 ));
+                limit(
+                    LIMIT_QUOTA,
+                    format!("instance quota: {n} more wanted, {q} allowed"),
+                );
                 n = q;
             }
         }
@@ -362,6 +409,13 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                     "{why}: boot of {n} held back, last boot failed {since:.0} s ago (cooldown {} s)",
                     pool.cooldown_secs
                 ));
+                limit(
+                    LIMIT_COOLDOWN,
+                    format!(
+                        "last boot failed {since:.0} s ago: no boot for cooldown_secs {}",
+                        pool.cooldown_secs
+                    ),
+                );
                 n = 0;
             }
         }
@@ -433,6 +487,7 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         classes,
         actions,
         held,
+        limited,
     }
 }
 

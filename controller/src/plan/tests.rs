@@ -153,6 +153,39 @@ fn quota_limits_boots() {
     let p = plan(&o, &pool(0, 10, 1), T);
     assert_eq!(boots(&p), 3);
     assert!(p.held.iter().any(|h| h.contains("quota")));
+    // The first limit that cut the boots is the pool's obstacle.
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA);
+    assert!(
+        l.reason.contains("10 more wanted, 3 allowed"),
+        "{}",
+        l.reason
+    );
+}
+
+#[test]
+fn the_first_limit_that_cut_the_boots_is_named_and_none_when_all_are_made() {
+    // max 4 cuts first, then the quota.
+    let mut o = obs(vec![], 10, 0);
+    o.quota_remaining = Some(2);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 2);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_MAX);
+    assert!(
+        l.reason.contains("pool at max 4: 10 jobs need 10 VMs"),
+        "{}",
+        l.reason
+    );
+    // A failed boot's cooldown.
+    let mut o = obs(vec![], 1, 0);
+    o.since_boot_failure_secs = Some(5.0);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(p.limited.map(|l| l.kind), Some(LIMIT_COOLDOWN));
+    // Every wanted boot made: nothing limited.
+    let p = plan(&obs(vec![], 2, 0), &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 2);
+    assert!(p.limited.is_none());
 }
 
 #[test]
