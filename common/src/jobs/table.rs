@@ -2,7 +2,9 @@
 //! record per job, folded from the job events of the retained stream
 //! `<c>.events.log` and kept in memory. The controller stays stateless: a
 //! new broker session rebuilds the table from the stream's first message
-//! ([`crate::jobs::feed`]).
+//! (the controller's `jobs::feed`). This is the one fold of job events:
+//! the controller keeps it current, `vq stat --from-stream` and
+//! `vq cancel` build it from a read of the stream.
 //!
 //! A job is `(job_id, submission)` ([`JobEvent::submission`]): an id
 //! submitted again after its job ended is another job; an event without a
@@ -16,11 +18,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde::Serialize;
-use vq_common::messages::{JobEvent, JobRequest, JobState, Outcome};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::messages::{JobEvent, JobRequest, JobState, Outcome};
 
 /// A job's state as `qstat` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum State {
     /// `Q`: in its pool queue.
@@ -59,13 +63,27 @@ impl State {
         })
     }
 
-    fn ended(self) -> bool {
+    /// The word for messages (`queued`, `running`, `completed`, `failed`,
+    /// `cancelled`).
+    pub fn word(self) -> &'static str {
+        match self {
+            State::Queued => "queued",
+            State::Running => "running",
+            State::Completed => "completed",
+            State::Failed => "failed",
+            State::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the job ended (`C`, `F` or `X`).
+    pub fn ended(self) -> bool {
         matches!(self, State::Completed | State::Failed | State::Cancelled)
     }
 }
 
-/// One job of the table (the `/jobs` JSON shape).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One job of the table (the `/jobs` JSON shape and a row of a
+/// [`crate::jobs::JobPage`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct JobRecord {
     /// Job id.
     pub id: String,
@@ -100,7 +118,7 @@ pub struct JobRecord {
     /// See [`JobRecord::queued_at`].
     pub ended_at: Option<f64>,
     /// Wall, user CPU and system CPU seconds, and max RSS bytes, once ended.
-    pub usage: Option<vq_common::messages::Usage>,
+    pub usage: Option<crate::messages::Usage>,
 }
 
 type Key = (String, Option<String>);
@@ -266,6 +284,33 @@ impl JobTable {
         self.jobs.get(&(id.to_string(), sub.clone()))
     }
 
+    /// The job `wanted` names: the exact id, else the one id that starts
+    /// with `wanted` (so the short `<uuid-prefix>` works); an id submitted
+    /// again names its latest job.
+    ///
+    /// # Errors
+    /// [`FindError::Unknown`] or [`FindError::Ambiguous`] (with the
+    /// matching ids, sorted).
+    pub fn find(&self, wanted: &str) -> Result<&JobRecord, FindError> {
+        if let Some(r) = self.get(wanted) {
+            return Ok(r);
+        }
+        let mut ids: Vec<&str> = self
+            .latest
+            .keys()
+            .filter(|id| !wanted.is_empty() && id.starts_with(wanted))
+            .map(String::as_str)
+            .collect();
+        ids.sort_unstable();
+        match ids.as_slice() {
+            [one] => self.get(one).ok_or(FindError::Unknown),
+            [] => Err(FindError::Unknown),
+            many => Err(FindError::Ambiguous(
+                many.iter().map(|s| s.to_string()).collect(),
+            )),
+        }
+    }
+
     /// Jobs matching `filter`, in order of first event, at most `limit`,
     /// starting after position `after` (a cursor from an earlier page);
     /// returns them and the cursor of the next page, if any.
@@ -295,7 +340,16 @@ impl JobTable {
     }
 }
 
-/// Which jobs `/jobs` lists.
+/// Why [`JobTable::find`] found no job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FindError {
+    /// No job has that id or an id starting with it.
+    Unknown,
+    /// Several ids start with it (listed, sorted).
+    Ambiguous(Vec<String>),
+}
+
+/// Which jobs `/jobs` and a [`crate::jobs::JobQuery`] list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
     /// Only jobs of this owner.
@@ -304,6 +358,10 @@ pub struct Filter {
     pub states: Vec<State>,
     /// Only jobs of this pool.
     pub pool: Option<String>,
+    /// Only jobs this broker user may see without being an operator: those
+    /// it submitted (the event's broker-validated `user_id`) or whose
+    /// owner has its name ([`Visibility`](crate::jobs::Visibility)).
+    pub visible_to: Option<String>,
 }
 
 impl Filter {
@@ -312,12 +370,22 @@ impl Filter {
         self.owner.as_ref().is_none_or(|o| &r.owner == o)
             && (self.states.is_empty() || self.states.contains(&r.state))
             && self.pool.as_ref().is_none_or(|p| &r.pool == p)
+            && self
+                .visible_to
+                .as_ref()
+                .is_none_or(|u| own(r, u))
     }
+}
+
+/// Whether `r` is `user`'s job: `user` submitted it (broker user) or owns
+/// it (Unix user of the same name).
+pub fn own(r: &JobRecord, user: &str) -> bool {
+    r.owner == user || r.submitter.as_deref() == Some(user)
 }
 
 #[cfg(test)]
 mod tests {
-    use vq_common::messages::{JobEvent, JobState, Outcome, Usage};
+    use crate::messages::{JobEvent, JobState, Outcome, Usage};
 
     use super::*;
 
@@ -514,5 +582,21 @@ mod tests {
         assert!(t.query(&other, None, 10).0.is_empty());
         assert_eq!(State::from_letter('x'), Some(State::Cancelled));
         assert_eq!(State::from_letter('Z'), None);
+    }
+
+    #[test]
+    fn a_job_is_found_by_its_id_or_a_unique_prefix() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("abc1", "s", 1.0));
+        apply(&mut t, &queued("abc2", "s", 1.0));
+        apply(&mut t, &queued("xyz", "s", 1.0));
+        assert_eq!(t.find("xyz").unwrap().id, "xyz");
+        assert_eq!(t.find("x").unwrap().id, "xyz");
+        assert_eq!(
+            t.find("abc").unwrap_err(),
+            FindError::Ambiguous(vec!["abc1".into(), "abc2".into()])
+        );
+        assert_eq!(t.find("q").unwrap_err(), FindError::Unknown);
+        assert_eq!(t.find("").unwrap_err(), FindError::Unknown);
     }
 }
