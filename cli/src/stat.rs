@@ -222,7 +222,10 @@ pub fn render_full(jobs: &[JobRecord], now: f64) -> String {
                 "resources_used.cput",
                 format_walltime((u.user_cpu_secs + u.system_cpu_secs).round() as u64),
             );
-            attr("resources_used.mem", format!("{}kb", u.max_rss_bytes / 1024));
+            attr(
+                "resources_used.mem",
+                format!("{}kb", u.max_rss_bytes / 1024),
+            );
         }
         if let Some(e) = elapsed(j, now) {
             attr("resources_used.walltime", format_walltime(e));
@@ -245,7 +248,10 @@ pub fn render_full(jobs: &[JobRecord], now: f64) -> String {
             if let Some(p) = &r.stderr {
                 attr("Error_Path", p.clone());
             }
-            attr("Rerunable", if r.rerunnable { "True" } else { "False" }.into());
+            attr(
+                "Rerunable",
+                if r.rerunnable { "True" } else { "False" }.into(),
+            );
             if let Some(w) = r.walltime {
                 attr("Resource_List.walltime", format_walltime(w));
             }
@@ -500,13 +506,7 @@ pub async fn run(settings: &Settings, opts: StatRun) -> Result<i32, CliError> {
     let got = if opts.from_stream {
         from_stream(&conn, settings, &q, &user, is_root).await
     } else {
-        ask_controller(
-            &conn,
-            settings,
-            q,
-            opts.timeout.unwrap_or(QUERY_TIMEOUT),
-        )
-        .await
+        ask_controller(&conn, settings, q, opts.timeout.unwrap_or(QUERY_TIMEOUT)).await
     };
     let _ = conn.close(200, "bye".into()).await;
     let (jobs, complete) = got?;
@@ -650,7 +650,10 @@ mod tests {
             user: Some("bob".into()),
             ..Default::default()
         };
-        assert_eq!(first_query(&u, "alice", false).owner.as_deref(), Some("bob"));
+        assert_eq!(
+            first_query(&u, "alice", false).owner.as_deref(),
+            Some("bob")
+        );
         let ids = StatRequest {
             job_ids: vec!["x".into()],
             ..Default::default()

@@ -5,11 +5,11 @@
 
 use std::path::PathBuf;
 
+use vq_common::jobs::State;
 use vq_common::messages::{
     json_schemas, Control, DecodeError, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState,
     Message,
 };
-use vq_common::jobs::State;
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -18,7 +18,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::table::{own, FindError, Filter, JobRecord, JobTable, State};
+use super::table::{own, Filter, FindError, JobRecord, JobTable, State};
 use crate::messages::{DecodeError, Message, SCHEMA_VERSION};
 
 /// Rows of a page when the query names no `limit`.
@@ -282,7 +282,10 @@ mod tests {
             ..Default::default()
         };
         let e = ask(&vis, Some("alice"), &one).error.unwrap();
-        assert!(e.contains("not yours") && e.contains("query_other_jobs"), "{e}");
+        assert!(
+            e.contains("not yours") && e.contains("query_other_jobs"),
+            "{e}"
+        );
         assert_eq!(ids(&ask(&vis, Some("admin"), &one)), ["b1"]);
         assert_eq!(ids(&ask(&open, Some("alice"), &one)), ["b1"]);
     }

@@ -370,10 +370,7 @@ impl Filter {
         self.owner.as_ref().is_none_or(|o| &r.owner == o)
             && (self.states.is_empty() || self.states.contains(&r.state))
             && self.pool.as_ref().is_none_or(|p| &r.pool == p)
-            && self
-                .visible_to
-                .as_ref()
-                .is_none_or(|u| own(r, u))
+            && self.visible_to.as_ref().is_none_or(|u| own(r, u))
     }
 }
 

@@ -91,7 +91,10 @@ async fn serve(
             continue;
         };
         if !valid_reply_to(&reply_to) {
-            tracing::debug!(reply_to, "job query with a reply_to that is no amq.gen- queue dropped");
+            tracing::debug!(
+                reply_to,
+                "job query with a reply_to that is no amq.gen- queue dropped"
+            );
             continue;
         }
         let user_id = props.user_id().as_ref().map(|u| u.to_string());
