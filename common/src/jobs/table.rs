@@ -129,17 +129,19 @@ struct Slot {
     seen: Vec<u64>,
 }
 
-/// The jobs of one id: each submission's sequence number, and the
-/// submission of the id's latest event (for events that name none).
+/// The jobs of one id: their sequence numbers (usually one: an id is
+/// rarely submitted again), and the job of the id's latest event (for
+/// events that name no submission; `None`: the submission-less job).
 #[derive(Debug, Default)]
 struct IdEntry {
-    subs: Vec<(Option<String>, u64)>,
-    latest: Option<String>,
+    first: u64,
+    more: Vec<u64>,
+    latest: Option<u64>,
 }
 
 impl IdEntry {
-    fn seq(&self, sub: &Option<String>) -> Option<u64> {
-        self.subs.iter().find(|(s, _)| s == sub).map(|(_, q)| *q)
+    fn seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        std::iter::once(self.first).chain(self.more.iter().copied())
     }
 }
 
@@ -212,24 +214,47 @@ impl JobTable {
         if ev.duplicate.is_some() {
             return;
         }
-        let entry = match self.ids.get_mut(&ev.job_id) {
-            Some(e) => e,
-            None => self.ids.entry(ev.job_id.clone()).or_default(),
-        };
-        let submission = match &ev.submission {
-            Some(s) => Some(s.clone()),
-            None => entry.latest.clone(),
-        };
-        entry.latest = submission.clone();
-        let (seq, fresh) = match entry.seq(&submission) {
-            Some(q) => (q, false),
+        let recs = &self.recs;
+        let found = self.ids.get(&ev.job_id).map(|e| {
+            let latest_sub = e
+                .latest
+                .and_then(|q| recs.get(&q))
+                .and_then(|s| s.rec.submission.clone());
+            let submission = match &ev.submission {
+                Some(s) => Some(s.clone()),
+                None => latest_sub,
+            };
+            let seq = e
+                .seqs()
+                .find(|q| recs.get(q).is_some_and(|s| s.rec.submission == submission));
+            (submission, seq)
+        });
+        let (submission, seq, fresh) = match found {
+            Some((sub, Some(q))) => (sub, q, false),
+            Some((sub, None)) => {
+                let q = self.next_seq;
+                self.next_seq += 1;
+                let e = self.ids.get_mut(&ev.job_id).expect("found above");
+                e.more.push(q);
+                (sub, q, true)
+            }
             None => {
                 let q = self.next_seq;
                 self.next_seq += 1;
-                entry.subs.push((submission.clone(), q));
-                (q, true)
+                self.ids.insert(
+                    ev.job_id.clone(),
+                    IdEntry {
+                        first: q,
+                        more: Vec::new(),
+                        latest: None,
+                    },
+                );
+                (ev.submission.clone(), q, true)
             }
         };
+        if let Some(e) = self.ids.get_mut(&ev.job_id) {
+            e.latest = Some(seq);
+        }
         if fresh {
             self.recs.insert(
                 seq,
@@ -358,12 +383,18 @@ impl JobTable {
                 self.unindex_user(s, *seq);
             }
             if let Some(e) = self.ids.get_mut(&rec.id) {
-                e.subs.retain(|(_, q)| q != seq);
-                if e.latest == rec.submission {
+                if e.latest == Some(*seq) {
                     e.latest = None;
                 }
-                if e.subs.is_empty() {
-                    self.ids.remove(&rec.id);
+                let rest: Vec<u64> = e.seqs().filter(|q| q != seq).collect();
+                match rest.split_first() {
+                    Some((first, more)) => {
+                        e.first = *first;
+                        e.more = more.to_vec();
+                    }
+                    None => {
+                        self.ids.remove(&rec.id);
+                    }
                 }
             }
         }
@@ -373,7 +404,11 @@ impl JobTable {
     /// The latest job named `id`.
     pub fn get(&self, id: &str) -> Option<&JobRecord> {
         let e = self.ids.get(id)?;
-        let seq = e.seq(&e.latest)?;
+        // After the latest job expired, the submission-less one (if any).
+        let seq = e.latest.or_else(|| {
+            e.seqs()
+                .find(|q| self.recs.get(q).is_some_and(|s| s.rec.submission.is_none()))
+        })?;
         self.recs.get(&seq).map(|s| &s.rec)
     }
 
