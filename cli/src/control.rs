@@ -12,7 +12,9 @@ use vq_common::messages::{Control, Message};
 use vq_common::topology::Topology;
 
 use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
-use crate::events::{find_job, read_job_events, summarize, JobSummary, StatState};
+use vq_common::jobs::{JobRecord, State};
+
+use crate::events::{find_job, read_job_table};
 use crate::settings::Settings;
 
 /// Checks that `user` may cancel `job` and that it is running; returns the
@@ -22,7 +24,7 @@ use crate::settings::Settings;
 /// [`CliError::NotOwner`] unless `user` owns the job or `is_root`;
 /// [`CliError::NotRunning`] if the job ended.
 pub fn cancel_target<'a>(
-    job: &'a JobSummary,
+    job: &'a JobRecord,
     user: &str,
     is_root: bool,
 ) -> Result<&'a str, CliError> {
@@ -33,7 +35,7 @@ pub fn cancel_target<'a>(
             user: user.to_string(),
         });
     }
-    if job.state != StatState::Running || job.agent.is_empty() {
+    if job.state != State::Running || job.agent.is_empty() {
         return Err(CliError::NotRunning {
             job_id: job.id.clone(),
             state: format!("{} {}", job.state.letter(), job.state.word()),
@@ -103,12 +105,7 @@ pub async fn run_cancel(settings: &Settings, job_id: &str) -> Result<i32, CliErr
         .await
         .map_err(CliError::broker("connect to the broker"))?;
     let result = async {
-        let events = read_job_events(&conn, &topo)
-            .await?
-            .ok_or_else(|| CliError::UnknownJob {
-                job_id: job_id.to_string(),
-            })?;
-        let jobs = summarize(&events);
+        let jobs = read_job_table(&conn, &topo).await?;
         let job = find_job(&jobs, job_id)?;
         let agent = cancel_target(job, &user, is_root)?;
         let msg = Control::Cancel {
@@ -156,18 +153,20 @@ mod tests {
     use vq_common::messages::{JobState, Outcome, Usage};
 
     use super::*;
+    use crate::events::table_of;
     use crate::events::tests::ev;
 
     #[test]
     fn only_the_owner_or_root_cancels_a_running_job() {
-        let running = summarize(&[ev("j", "alice", "ag1", 1.0, JobState::Started)]);
-        assert_eq!(cancel_target(&running[0], "alice", false).unwrap(), "ag1");
-        assert_eq!(cancel_target(&running[0], "root", true).unwrap(), "ag1");
+        let running = table_of(&[ev("j", "alice", "ag1", 1.0, JobState::Started)]);
+        let running = running.get("j").unwrap();
+        assert_eq!(cancel_target(running, "alice", false).unwrap(), "ag1");
+        assert_eq!(cancel_target(running, "root", true).unwrap(), "ag1");
         assert!(matches!(
-            cancel_target(&running[0], "bob", false),
+            cancel_target(running, "bob", false),
             Err(CliError::NotOwner { .. })
         ));
-        let done = summarize(&[
+        let done = table_of(&[
             ev("j", "alice", "ag1", 1.0, JobState::Started),
             ev(
                 "j",
@@ -180,7 +179,7 @@ mod tests {
                 },
             ),
         ]);
-        let err = cancel_target(&done[0], "alice", false).unwrap_err();
+        let err = cancel_target(done.get("j").unwrap(), "alice", false).unwrap_err();
         assert!(err.to_string().contains("C completed"), "{err}");
     }
 }

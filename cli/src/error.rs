@@ -124,6 +124,33 @@ pub enum CliError {
         #[source]
         source: vq_common::messages::DecodeError,
     },
+    /// A command-line value that cannot be used (the message says which
+    /// and why).
+    #[error("{0}")]
+    Usage(String),
+    /// No controller answered a job-table query (`vq stat`).
+    #[error("{}", if *listening {
+        format!("no controller answered on {exchange} (key {key}) within {secs} s; the controller may be overloaded or its broker session restarting (try again, raise --timeout, or use vq stat --from-stream to read the event stream yourself, slowly)")
+    } else {
+        format!("no controller is listening on {exchange} (key {key}): is vq-controller running for this cluster? (vq stat --from-stream reads the event stream yourself, slowly)")
+    })]
+    NoController {
+        /// The control exchange.
+        exchange: String,
+        /// The query routing key.
+        key: String,
+        /// How long it waited, seconds.
+        secs: f64,
+        /// Whether a controller's queue took the query (then it did not
+        /// answer in time); `false`: no queue was bound (unroutable).
+        listening: bool,
+    },
+    /// The controller refused a job-table query, saying why.
+    #[error("the controller refused the query: {problem}")]
+    QueryRefused {
+        /// The controller's reason.
+        problem: String,
+    },
     /// The controller's status page could not be fetched.
     #[error("cannot fetch the controller status from {url}")]
     Controller {
@@ -197,6 +224,7 @@ impl CliError {
             | CliError::Read { .. }
             | CliError::Submit(_)
             | CliError::Option(_)
+            | CliError::Usage(_)
             | CliError::NoSuchPool { .. }
             | CliError::NoSuchCluster { .. }
             | CliError::NoSuchAgent { .. }
@@ -208,7 +236,8 @@ impl CliError {
                 | AmqpError::CaFile { .. } => EXIT_UNAVAILABLE,
                 _ => EXIT_OTHER,
             },
-            CliError::Controller { .. } => EXIT_UNAVAILABLE,
+            CliError::Controller { .. } | CliError::NoController { .. } => EXIT_UNAVAILABLE,
+            CliError::QueryRefused { .. } => EXIT_OTHER,
             CliError::Environment { .. }
             | CliError::NotRunning { .. }
             | CliError::NotOwner { .. }

@@ -76,7 +76,7 @@ pub struct GlobalArgs {
 pub enum Command {
     /// Submit a job script (qsub options and #PBS directives); prints the job id.
     Submit(Box<SubmitArgs>),
-    /// Show jobs (from the job-event stream), like qstat.
+    /// Show jobs (from the controller's job table), like qstat.
     Stat(StatArgs),
     /// Cancel a running job (owner or root only).
     Cancel {
@@ -189,12 +189,35 @@ impl SubmitArgs {
     }
 }
 
-/// `vq stat` options.
+/// `vq stat` options (Torque's `qstat`).
 #[derive(Debug, Clone, Args)]
 pub struct StatArgs {
-    /// Show every user's jobs.
+    /// Show every user's jobs (those the controller lets you see: its
+    /// `[jobs] query_other_jobs` or `operators`).
     #[arg(short = 'a', long = "all")]
     pub all: bool,
+    /// Only jobs owned by USER.
+    #[arg(short = 'u', value_name = "USER")]
+    pub user: Option<String>,
+    /// Only jobs in these states: letters of Q R C F X, e.g. `Q,R`.
+    #[arg(long = "state", value_name = "STATES")]
+    pub state: Option<String>,
+    /// Show each job's comment (why it failed) below its line, as `qstat -s`.
+    #[arg(short = 's', conflicts_with_all = ["full", "json"])]
+    pub comments: bool,
+    /// Full records, as `qstat -f`.
+    #[arg(short = 'f', long = "full", conflicts_with = "json")]
+    pub full: bool,
+    /// The records as JSON.
+    #[arg(long = "json")]
+    pub json: bool,
+    /// Read the whole job-event stream instead of asking the controller
+    /// (slow: seconds per 10,000 jobs).
+    #[arg(long = "from-stream")]
+    pub from_stream: bool,
+    /// Seconds to wait for the controller's answer.
+    #[arg(long = "timeout", value_name = "SECS", default_value_t = 10.0)]
+    pub timeout: f64,
     /// Jobs to show (ids or unique prefixes).
     pub job_ids: Vec<String>,
 }
@@ -231,7 +254,39 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
             let flags = args.directives().map_err(CliError::Option)?;
             submit::run(&settings, &args.script, flags, args.wait).await
         }
-        Command::Stat(args) => stat::run(&settings, args.all, args.job_ids).await,
+        Command::Stat(args) => {
+            let states = match args.state.as_deref() {
+                Some(s) => stat::parse_states(s)?,
+                None => Vec::new(),
+            };
+            if !(args.timeout.is_finite() && args.timeout > 0.0) {
+                return Err(CliError::Usage(format!(
+                    "--timeout: {} is not a positive number of seconds",
+                    args.timeout
+                )));
+            }
+            let layout = if args.json {
+                stat::Layout::Json
+            } else if args.full {
+                stat::Layout::Full
+            } else if args.comments {
+                stat::Layout::TableWithComments
+            } else {
+                stat::Layout::Table
+            };
+            let opts = stat::StatRun {
+                request: stat::StatRequest {
+                    all: args.all,
+                    user: args.user,
+                    states,
+                    job_ids: args.job_ids,
+                },
+                layout,
+                from_stream: args.from_stream,
+                timeout: Some(std::time::Duration::from_secs_f64(args.timeout)),
+            };
+            stat::run(&settings, opts).await
+        }
         Command::Cancel { job_id } => control::run_cancel(&settings, &job_id).await,
         Command::Pools => pools::run(&settings).await,
         Command::Drain { agent } => control::run_drain(&settings, &agent).await,

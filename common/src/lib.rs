@@ -3,6 +3,8 @@
 //!
 //! * [`messages`]: versioned JSON wire types (job, job event, heartbeat,
 //!   demand, control, delete answer) and their JSON Schemas;
+//! * [`jobs`]: the job table (the one fold of job events) and the
+//!   messages of a job-table query;
 //! * [`topology`]: exchange, queue and routing-key names and queue arguments;
 //! * [`config`]: config structs, `VQ_*` overrides and `validate()`;
 //! * [`pbs`]: `#PBS` directive and walltime parsing;
@@ -27,6 +29,7 @@ pub mod amqp_url;
 pub mod backoff;
 pub mod config;
 pub mod error;
+pub mod jobs;
 pub mod lease;
 pub mod messages;
 pub mod pbs;

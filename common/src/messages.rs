@@ -766,6 +766,8 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         one::<Demand>("demand.schema.json"),
         one::<Control>("control.schema.json"),
         one::<DeleteAnswer>("delete-answer.schema.json"),
+        one::<crate::jobs::JobQuery>("job-query.schema.json"),
+        one::<crate::jobs::JobPage>("job-page.schema.json"),
     ]
 }
 

@@ -18,6 +18,8 @@
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
 //! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
 //! | `<c>.control.<agent>` | exclusive queue | the agent's control inbox |
+//! | `<c>.control` key `<c>.query.jobs` → exclusive server-named queue of the controller | job-table queries of `vq stat` |
+//! | `<c>.replies` | direct exchange, routing key = the requester's `amq.gen-…` reply queue | the controller's answers to queries |
 //! | `<c>.lease` | direct exchange, routing key = lease queue name | lease copies |
 //! | `<c>.lease.<agent>` | durable quorum queue | copies of the jobs the agent runs (leases) |
 //! | `<c>.fence` | direct exchange → quorum queue `<c>.fence` (routing key = queue name) | agents the controller is fencing (deleting, then emptying their leases) |
@@ -249,6 +251,22 @@ impl Topology {
         format!("{}.probe", self.cluster)
     }
 
+    /// Routing key of a job-table query ([`crate::jobs::JobQuery`]) on
+    /// [`Topology::control_exchange`]: `<c>.query.jobs`, which contains
+    /// dots, so it is no agent id; the controller's query queue is bound
+    /// with it.
+    pub fn job_query_key(&self) -> String {
+        format!("{}.query.jobs", self.cluster)
+    }
+
+    /// Direct exchange of the controller's answers to queries
+    /// ([`crate::jobs::JobPage`]): routing key = the requester's
+    /// `reply_to`, an exclusive server-named queue (`amq.gen-…`) the
+    /// requester bound with its own name. Only the controller writes to it.
+    pub fn replies_exchange(&self) -> String {
+        format!("{}.replies", self.cluster)
+    }
+
     /// The exclusive control queue of `agent`.
     pub fn control_queue(&self, agent: &str) -> String {
         format!("{}.control.{agent}", self.cluster)
@@ -464,7 +482,7 @@ impl Permissions {
             Role::Submitter => (
                 r"^amq\.gen-.*".to_string(),
                 format!(r"^({c}\.jobs|{c}\.submitted|{c}\.demand|{c}\.control|amq\.gen-.*)$"),
-                format!(r"^({c}\.events|{c}\.events\.log|amq\.gen-.*)$"),
+                format!(r"^({c}\.events|{c}\.events\.log|{c}\.replies|amq\.gen-.*)$"),
             ),
             Role::Controller => {
                 let all = format!(r"^({c}\..*|amq\.gen-.*)$");

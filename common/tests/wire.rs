@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use vq_common::jobs::State;
 use vq_common::messages::{
     json_schemas, Control, DecodeError, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState,
     Message,
@@ -49,6 +50,10 @@ fn every_fixture_survives_a_round_trip() {
     round_trip::<Control>("control-ask-delete.json");
     round_trip::<Control>("control-cancel.json");
     round_trip::<DeleteAnswer>("delete-answer.json");
+    let q: vq_common::jobs::JobQuery = round_trip("job-query.json");
+    assert_eq!(q.states, [State::Queued, State::Running]);
+    let page: vq_common::jobs::JobPage = round_trip("job-page.json");
+    assert_eq!((page.jobs[0].letter, page.next), ('C', Some(41)));
 }
 
 #[test]

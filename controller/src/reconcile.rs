@@ -611,6 +611,10 @@ pub async fn run(
         cfg.pools.keys().cloned().collect(),
     )
     .with_job_table(jobs.clone(), cfg.jobs.keep_completed_secs)
+    .with_job_queries(vq_common::jobs::Visibility {
+        query_other_jobs: cfg.jobs.query_other_jobs,
+        operators: cfg.jobs.operators.clone(),
+    })
     .with_metrics(metrics.clone());
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();

@@ -363,7 +363,10 @@ async fn submit_wait_exits_with_the_job_status_and_stat_shows_it() {
         .find(|e| matches!(e.state, JobState::Queued { .. }))
         .expect("vq submit published the queued event");
     assert_eq!(queued.submitter.as_deref(), Some(submitter_user().as_str()));
-    let out = vq(topo.cluster()).args(["stat", "-a"]).output().unwrap();
+    let out = vq(topo.cluster())
+        .args(["stat", "--from-stream", "-a"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -386,7 +389,10 @@ async fn stat_without_a_stream_says_no_jobs() {
     if !require_root() {
         return;
     }
-    let out = vq(&unique_cluster()).args(["stat"]).output().unwrap();
+    let out = vq(&unique_cluster())
+        .args(["stat", "--from-stream"])
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -508,7 +514,10 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
 
 /// Runs `vq stat -a` and returns the line of `job_id`.
 fn stat_line(cluster: &str, job_id: &str) -> String {
-    let out = vq(cluster).args(["stat", "-a"]).output().unwrap();
+    let out = vq(cluster)
+        .args(["stat", "--from-stream", "-a"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -551,7 +560,10 @@ async fn a_queued_job_is_in_stat_before_it_starts_and_submitters_cannot_forge_re
     // No agent has it: `vq stat` shows it queued, `vq stat ID` finds it.
     let line = stat_line(topo.cluster(), &id);
     assert!(line.contains(" Q ") && line.contains("waits"), "{line}");
-    let out = vq(topo.cluster()).args(["stat", &id]).output().unwrap();
+    let out = vq(topo.cluster())
+        .args(["stat", "--from-stream", &id])
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "{}",

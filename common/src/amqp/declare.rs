@@ -251,6 +251,7 @@ pub async fn declare_topology<'a>(
     )
     .await?;
     declare_exchange(ch, &topo.fence_exchange(), ExchangeKind::Direct).await?;
+    declare_exchange(ch, &topo.replies_exchange(), ExchangeKind::Direct).await?;
     let fence = topo.fence_queue();
     declare_bound_queue(
         ch,

@@ -202,6 +202,14 @@ pub struct JobsSection {
     /// File holding the bearer token that `/jobs` requires (mode 0600, the
     /// token on its first line). Unset: `/jobs` is off (404).
     pub api_token_file: Option<String>,
+    /// Torque's `query_other_jobs` for `vq stat` (queries over AMQP):
+    /// `false` (Torque's default) shows a broker user only its own jobs
+    /// (submitted by it, or owned by the Unix user of its name); `true`
+    /// shows everybody every job. `/jobs` (token holders) always shows all.
+    pub query_other_jobs: bool,
+    /// Broker users that see every job in `vq stat` whatever
+    /// `query_other_jobs` says (Torque's managers and operators).
+    pub operators: Vec<String>,
 }
 
 impl Default for JobsSection {
@@ -209,6 +217,8 @@ impl Default for JobsSection {
         JobsSection {
             keep_completed_secs: 86_400.0,
             api_token_file: None,
+            query_other_jobs: false,
+            operators: Vec::new(),
         }
     }
 }

@@ -70,6 +70,9 @@ pub struct Broker {
     /// The job table each session rebuilds from the event stream, and how
     /// long ended jobs stay in it (seconds); `None`: no table.
     jobs: Option<(crate::jobs::SharedJobs, f64)>,
+    /// Who sees which job in `vq stat`'s queries; `None`: queries are not
+    /// answered (no table).
+    job_queries: Option<Arc<vq_common::jobs::Visibility>>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -94,6 +97,7 @@ impl Broker {
             metrics: Arc::new(Metrics::new()),
             connected_once: AtomicBool::new(false),
             jobs: None,
+            job_queries: None,
         }
     }
 
@@ -106,6 +110,14 @@ impl Broker {
         keep_completed_secs: f64,
     ) -> Self {
         self.jobs = Some((jobs, keep_completed_secs));
+        self
+    }
+
+    /// Answers `vq stat`'s job-table queries from the table of
+    /// [`Broker::with_job_table`] with the rule `vis`
+    /// ([`crate::jobs::queries`]) in every session.
+    pub fn with_job_queries(mut self, vis: vq_common::jobs::Visibility) -> Self {
+        self.job_queries = Some(Arc::new(vis));
         self
     }
 
@@ -193,6 +205,19 @@ impl Broker {
                     let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
                     v.complete = false;
                     v.stalled = Some(why);
+                }
+            }
+            if let Some(vis) = &self.job_queries {
+                // Answered in every session, complete or not: an answer
+                // says whether the table has caught up.
+                match crate::jobs::queries::start(&conn, &self.topo, jobs.clone(), vis.clone())
+                    .await
+                {
+                    Ok(task) => tasks.push(task),
+                    Err(e) => tracing::warn!(
+                        error = %vq_common::error::chain(&e),
+                        "job queries (vq stat) are not answered in this session"
+                    ),
                 }
             }
         }

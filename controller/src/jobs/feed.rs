@@ -15,7 +15,7 @@ use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{unix_now, JobEvent};
 use vq_common::topology::Topology;
 
-use super::table::JobTable;
+use vq_common::jobs::JobTable;
 
 /// Prefetch of the stream consumer, messages (the stream needs acks to
 /// grant credit: acked in batches of half of it, and whenever the stream

@@ -24,7 +24,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use super::feed::SharedJobs;
-use super::table::{Filter, JobRecord, State as JobStateLetter};
+use vq_common::jobs::{Filter, JobRecord, State as JobStateLetter};
 
 /// Default and largest page size of `/jobs`.
 pub const DEFAULT_LIMIT: usize = 100;
@@ -150,6 +150,7 @@ pub fn parse_query(q: &ListQuery) -> Result<(Filter, Option<u64>, usize), String
             owner: q.owner.clone(),
             states,
             pool: q.pool.clone(),
+            visible_to: None,
         },
         q.after,
         limit,

@@ -1,11 +1,12 @@
 //! The job table (issue "The job table"; DESIGN.md, "The job table and the
-//! operator's view"): [`table`] folds job events into one record per job,
-//! [`feed`] keeps it current from the event stream with every broker
-//! session, [`http`] serves it read-only at `/jobs`.
+//! operator's view"): the fold itself is [`vq_common::jobs::table`] (the
+//! one copy, shared with the CLI); [`feed`] keeps it current from the event
+//! stream with every broker session, [`http`] serves it read-only at
+//! `/jobs`, [`queries`] answers `vq stat`'s queries over AMQP.
 
 pub mod feed;
 pub mod http;
-pub mod table;
+pub mod queries;
 
 pub use feed::{JobsView, SharedJobs};
-pub use table::{Filter, JobRecord, JobTable, State};
+pub use vq_common::jobs::{Filter, JobRecord, JobTable, State};

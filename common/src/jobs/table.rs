@@ -2,7 +2,9 @@
 //! record per job, folded from the job events of the retained stream
 //! `<c>.events.log` and kept in memory. The controller stays stateless: a
 //! new broker session rebuilds the table from the stream's first message
-//! ([`crate::jobs::feed`]).
+//! (the controller's `jobs::feed`). This is the one fold of job events:
+//! the controller keeps it current, `vq stat --from-stream` and
+//! `vq cancel` build it from a read of the stream.
 //!
 //! A job is `(job_id, submission)` ([`JobEvent::submission`]): an id
 //! submitted again after its job ended is another job; an event without a
@@ -14,13 +16,15 @@
 //! [`JobTable::expire`] seconds after their end, as Torque's
 //! `keep_completed`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde::Serialize;
-use vq_common::messages::{JobEvent, JobRequest, JobState, Outcome};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::messages::{JobEvent, JobRequest, JobState, Outcome};
 
 /// A job's state as `qstat` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum State {
     /// `Q`: in its pool queue.
@@ -59,13 +63,27 @@ impl State {
         })
     }
 
-    fn ended(self) -> bool {
+    /// The word for messages (`queued`, `running`, `completed`, `failed`,
+    /// `cancelled`).
+    pub fn word(self) -> &'static str {
+        match self {
+            State::Queued => "queued",
+            State::Running => "running",
+            State::Completed => "completed",
+            State::Failed => "failed",
+            State::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the job ended (`C`, `F` or `X`).
+    pub fn ended(self) -> bool {
         matches!(self, State::Completed | State::Failed | State::Cancelled)
     }
 }
 
-/// One job of the table (the `/jobs` JSON shape).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One job of the table (the `/jobs` JSON shape and a row of a
+/// [`crate::jobs::JobPage`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct JobRecord {
     /// Job id.
     pub id: String,
@@ -100,24 +118,51 @@ pub struct JobRecord {
     /// See [`JobRecord::queued_at`].
     pub ended_at: Option<f64>,
     /// Wall, user CPU and system CPU seconds, and max RSS bytes, once ended.
-    pub usage: Option<vq_common::messages::Usage>,
+    pub usage: Option<crate::messages::Usage>,
 }
 
-type Key = (String, Option<String>);
+/// One job in the table, with the `message_id`s applied to it (as 64-bit
+/// FNV-1a hashes: only compared among one job's few events).
+#[derive(Debug)]
+struct Slot {
+    rec: JobRecord,
+    seen: Vec<u64>,
+}
+
+/// The jobs of one id: their sequence numbers (usually one: an id is
+/// rarely submitted again), and the job of the id's latest event (for
+/// events that name no submission; `None`: the submission-less job).
+#[derive(Debug, Default)]
+struct IdEntry {
+    first: u64,
+    more: Vec<u64>,
+    latest: Option<u64>,
+}
+
+impl IdEntry {
+    fn seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        std::iter::once(self.first).chain(self.more.iter().copied())
+    }
+}
+
+fn hash_id(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
 
 /// The table: records by `(job_id, submission)`, in order of first event.
+///
+/// Records live in one ordered map by sequence number (order of first
+/// event); ids are indexed in an ordered map (exact and prefix look-ups),
+/// and every owner and submitter name in a map of sequence sets, so that one
+/// user's query among a million jobs reads only that user's records.
 #[derive(Debug, Default)]
 pub struct JobTable {
-    jobs: HashMap<Key, JobRecord>,
-    /// Latest submission of each id (for events that name none).
-    latest: HashMap<String, Option<String>>,
-    /// Order of first appearance (a sequence number per key).
-    order: BTreeMap<u64, Key>,
-    seq_of: HashMap<Key, u64>,
+    recs: BTreeMap<u64, Slot>,
+    ids: BTreeMap<String, IdEntry>,
+    by_user: HashMap<String, BTreeSet<u64>>,
     next_seq: u64,
-    /// `message_id`s applied, so a retransmission is not applied twice
-    /// (only ids of jobs still in the table are kept).
-    seen: HashMap<Key, Vec<String>>,
     /// Events applied since the table was (re)built.
     pub events_applied: u64,
 }
@@ -130,12 +175,35 @@ impl JobTable {
 
     /// Number of jobs.
     pub fn len(&self) -> usize {
-        self.jobs.len()
+        self.recs.len()
     }
 
     /// Whether the table holds no job.
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty()
+        self.recs.is_empty()
+    }
+
+    fn index_user(&mut self, user: &str, seq: u64) {
+        if user.is_empty() {
+            return;
+        }
+        match self.by_user.get_mut(user) {
+            Some(set) => {
+                set.insert(seq);
+            }
+            None => {
+                self.by_user.insert(user.to_string(), BTreeSet::from([seq]));
+            }
+        }
+    }
+
+    fn unindex_user(&mut self, user: &str, seq: u64) {
+        if let Some(set) = self.by_user.get_mut(user) {
+            set.remove(&seq);
+            if set.is_empty() {
+                self.by_user.remove(user);
+            }
+        }
     }
 
     /// Applies one event (decoded as delivered,
@@ -146,54 +214,111 @@ impl JobTable {
         if ev.duplicate.is_some() {
             return;
         }
-        let submission = match &ev.submission {
-            Some(s) => Some(s.clone()),
-            None => self.latest.get(&ev.job_id).cloned().flatten(),
+        let recs = &self.recs;
+        let found = self.ids.get(&ev.job_id).map(|e| {
+            let latest_sub = e
+                .latest
+                .and_then(|q| recs.get(&q))
+                .and_then(|s| s.rec.submission.clone());
+            let submission = match &ev.submission {
+                Some(s) => Some(s.clone()),
+                None => latest_sub,
+            };
+            let seq = e
+                .seqs()
+                .find(|q| recs.get(q).is_some_and(|s| s.rec.submission == submission));
+            (submission, seq)
+        });
+        let (submission, seq, fresh) = match found {
+            Some((sub, Some(q))) => (sub, q, false),
+            Some((sub, None)) => {
+                let q = self.next_seq;
+                self.next_seq += 1;
+                let e = self.ids.get_mut(&ev.job_id).expect("found above");
+                e.more.push(q);
+                (sub, q, true)
+            }
+            None => {
+                let q = self.next_seq;
+                self.next_seq += 1;
+                self.ids.insert(
+                    ev.job_id.clone(),
+                    IdEntry {
+                        first: q,
+                        more: Vec::new(),
+                        latest: None,
+                    },
+                );
+                (ev.submission.clone(), q, true)
+            }
         };
-        self.latest.insert(ev.job_id.clone(), submission.clone());
-        let key: Key = (ev.job_id.clone(), submission.clone());
+        if let Some(e) = self.ids.get_mut(&ev.job_id) {
+            e.latest = Some(seq);
+        }
+        if fresh {
+            self.recs.insert(
+                seq,
+                Slot {
+                    rec: JobRecord {
+                        id: ev.job_id.clone(),
+                        submission,
+                        name: ev.job_name.clone(),
+                        owner: ev.owner.clone(),
+                        pool: ev.pool.clone(),
+                        submitter: None,
+                        state: State::Queued,
+                        letter: 'Q',
+                        agent: String::new(),
+                        attempt: 0,
+                        exit_status: None,
+                        reason: None,
+                        request: None,
+                        queued_at: None,
+                        started_at: None,
+                        ended_at: None,
+                        usage: None,
+                    },
+                    seen: Vec::new(),
+                },
+            );
+            self.index_user(&ev.owner, seq);
+        }
+        let slot = self.recs.get_mut(&seq).expect("indexed jobs have a record");
         if let Some(id) = message_id {
-            let seen = self.seen.entry(key.clone()).or_default();
-            if seen.iter().any(|s| s == id) {
+            let h = hash_id(id);
+            if slot.seen.contains(&h) {
                 return;
             }
-            seen.push(id.to_string());
+            slot.seen.push(h);
         }
         self.events_applied += 1;
-        if !self.jobs.contains_key(&key) {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            self.order.insert(seq, key.clone());
-            self.seq_of.insert(key.clone(), seq);
-        }
-        let r = self.jobs.entry(key).or_insert_with(|| JobRecord {
-            id: ev.job_id.clone(),
-            submission,
-            name: ev.job_name.clone(),
-            owner: ev.owner.clone(),
-            pool: ev.pool.clone(),
-            submitter: None,
-            state: State::Queued,
-            letter: 'Q',
-            agent: String::new(),
-            attempt: 0,
-            exit_status: None,
-            reason: None,
-            request: None,
-            queued_at: None,
-            started_at: None,
-            ended_at: None,
-            usage: None,
-        });
+        let r = &mut slot.rec;
         if !ev.job_name.is_empty() {
             r.name = ev.job_name.clone();
         }
-        if !ev.owner.is_empty() {
-            r.owner = ev.owner.clone();
+        let mut old_owner = None;
+        if !ev.owner.is_empty() && r.owner != ev.owner {
+            old_owner = Some(std::mem::replace(&mut r.owner, ev.owner.clone()));
         }
-        if r.submitter.is_none() {
+        let mut new_submitter = None;
+        if r.submitter.is_none() && ev.submitter.is_some() {
             r.submitter = ev.submitter.clone();
+            new_submitter = ev.submitter.clone();
         }
+        Self::fold(r, ev);
+        let (owner, submitter) = (r.owner.clone(), r.submitter.clone());
+        if let Some(old) = old_owner {
+            if submitter.as_deref() != Some(old.as_str()) {
+                self.unindex_user(&old, seq);
+            }
+            self.index_user(&owner, seq);
+        }
+        if let Some(s) = new_submitter {
+            self.index_user(&s, seq);
+        }
+    }
+
+    fn fold(r: &mut JobRecord, ev: &JobEvent) {
         match &ev.state {
             JobState::Queued { request } => {
                 r.request = Some(request.clone());
@@ -241,20 +366,36 @@ impl JobTable {
     /// Forgets jobs that ended more than `keep_secs` before `now` (Unix
     /// seconds; Torque's `keep_completed`). Returns how many were dropped.
     pub fn expire(&mut self, now: f64, keep_secs: f64) -> usize {
-        let old: Vec<Key> = self
-            .jobs
+        let old: Vec<u64> = self
+            .recs
             .iter()
-            .filter(|(_, r)| r.state.ended() && r.ended_at.is_some_and(|e| now - e > keep_secs))
-            .map(|(k, _)| k.clone())
+            .filter(|(_, s)| {
+                s.rec.state.ended() && s.rec.ended_at.is_some_and(|e| now - e > keep_secs)
+            })
+            .map(|(q, _)| *q)
             .collect();
-        for k in &old {
-            self.jobs.remove(k);
-            self.seen.remove(k);
-            if let Some(seq) = self.seq_of.remove(k) {
-                self.order.remove(&seq);
+        for seq in &old {
+            let Some(Slot { rec, .. }) = self.recs.remove(seq) else {
+                continue;
+            };
+            self.unindex_user(&rec.owner, *seq);
+            if let Some(s) = &rec.submitter {
+                self.unindex_user(s, *seq);
             }
-            if self.latest.get(&k.0) == Some(&k.1) {
-                self.latest.remove(&k.0);
+            if let Some(e) = self.ids.get_mut(&rec.id) {
+                if e.latest == Some(*seq) {
+                    e.latest = None;
+                }
+                let rest: Vec<u64> = e.seqs().filter(|q| q != seq).collect();
+                match rest.split_first() {
+                    Some((first, more)) => {
+                        e.first = *first;
+                        e.more = more.to_vec();
+                    }
+                    None => {
+                        self.ids.remove(&rec.id);
+                    }
+                }
             }
         }
         old.len()
@@ -262,26 +403,73 @@ impl JobTable {
 
     /// The latest job named `id`.
     pub fn get(&self, id: &str) -> Option<&JobRecord> {
-        let sub = self.latest.get(id)?;
-        self.jobs.get(&(id.to_string(), sub.clone()))
+        let e = self.ids.get(id)?;
+        // After the latest job expired, the submission-less one (if any).
+        let seq = e.latest.or_else(|| {
+            e.seqs()
+                .find(|q| self.recs.get(q).is_some_and(|s| s.rec.submission.is_none()))
+        })?;
+        self.recs.get(&seq).map(|s| &s.rec)
+    }
+
+    /// The job `wanted` names: the exact id, else the one id that starts
+    /// with `wanted` (so the short `<uuid-prefix>` works); an id submitted
+    /// again names its latest job.
+    ///
+    /// # Errors
+    /// [`FindError::Unknown`] or [`FindError::Ambiguous`] (with the
+    /// matching ids, sorted).
+    pub fn find(&self, wanted: &str) -> Result<&JobRecord, FindError> {
+        if let Some(r) = self.get(wanted) {
+            return Ok(r);
+        }
+        if wanted.is_empty() {
+            return Err(FindError::Unknown);
+        }
+        let ids: Vec<&str> = self
+            .ids
+            .range::<str, _>((
+                std::ops::Bound::Included(wanted),
+                std::ops::Bound::Unbounded,
+            ))
+            .map(|(id, _)| id.as_str())
+            .take_while(|id| id.starts_with(wanted))
+            .take(20)
+            .collect();
+        match ids.as_slice() {
+            [one] => self.get(one).ok_or(FindError::Unknown),
+            [] => Err(FindError::Unknown),
+            many => Err(FindError::Ambiguous(
+                many.iter().map(|s| s.to_string()).collect(),
+            )),
+        }
     }
 
     /// Jobs matching `filter`, in order of first event, at most `limit`,
     /// starting after position `after` (a cursor from an earlier page);
-    /// returns them and the cursor of the next page, if any.
+    /// returns them and the cursor of the next page, if any. A filter on
+    /// an owner or a requester reads only that user's jobs.
     pub fn query(
         &self,
         filter: &Filter,
         after: Option<u64>,
         limit: usize,
     ) -> (Vec<&JobRecord>, Option<u64>) {
+        let start = after.map_or(0, |a| a + 1);
+        let user = filter.owner.as_ref().or(filter.visible_to.as_ref());
+        let candidates: Box<dyn Iterator<Item = (u64, &JobRecord)>> = match user {
+            Some(u) => match self.by_user.get(u) {
+                Some(set) => Box::new(
+                    set.range(start..)
+                        .filter_map(|q| self.recs.get(q).map(|s| (*q, &s.rec))),
+                ),
+                None => Box::new(std::iter::empty()),
+            },
+            None => Box::new(self.recs.range(start..).map(|(q, s)| (*q, &s.rec))),
+        };
         let mut out = Vec::new();
         let mut last = None;
-        let start = after.map_or(0, |a| a + 1);
-        for (seq, key) in self.order.range(start..) {
-            let Some(r) = self.jobs.get(key) else {
-                continue;
-            };
+        for (seq, r) in candidates {
             if !filter.matches(r) {
                 continue;
             }
@@ -289,13 +477,22 @@ impl JobTable {
                 return (out, last);
             }
             out.push(r);
-            last = Some(*seq);
+            last = Some(seq);
         }
         (out, None)
     }
 }
 
-/// Which jobs `/jobs` lists.
+/// Why [`JobTable::find`] found no job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FindError {
+    /// No job has that id or an id starting with it.
+    Unknown,
+    /// Several ids start with it (listed, sorted).
+    Ambiguous(Vec<String>),
+}
+
+/// Which jobs `/jobs` and a [`crate::jobs::JobQuery`] list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
     /// Only jobs of this owner.
@@ -304,6 +501,10 @@ pub struct Filter {
     pub states: Vec<State>,
     /// Only jobs of this pool.
     pub pool: Option<String>,
+    /// Only jobs this broker user may see without being an operator: those
+    /// it submitted (the event's broker-validated `user_id`) or whose
+    /// owner has its name ([`Visibility`](crate::jobs::Visibility)).
+    pub visible_to: Option<String>,
 }
 
 impl Filter {
@@ -312,12 +513,19 @@ impl Filter {
         self.owner.as_ref().is_none_or(|o| &r.owner == o)
             && (self.states.is_empty() || self.states.contains(&r.state))
             && self.pool.as_ref().is_none_or(|p| &r.pool == p)
+            && self.visible_to.as_ref().is_none_or(|u| own(r, u))
     }
+}
+
+/// Whether `r` is `user`'s job: `user` submitted it (broker user) or owns
+/// it (Unix user of the same name).
+pub fn own(r: &JobRecord, user: &str) -> bool {
+    r.owner == user || r.submitter.as_deref() == Some(user)
 }
 
 #[cfg(test)]
 mod tests {
-    use vq_common::messages::{JobEvent, JobState, Outcome, Usage};
+    use crate::messages::{JobEvent, JobState, Outcome, Usage};
 
     use super::*;
 
@@ -514,5 +722,56 @@ mod tests {
         assert!(t.query(&other, None, 10).0.is_empty());
         assert_eq!(State::from_letter('x'), Some(State::Cancelled));
         assert_eq!(State::from_letter('Z'), None);
+    }
+
+    #[test]
+    fn the_user_index_follows_owner_and_submitter_and_expiry() {
+        let mut t = JobTable::new();
+        let mut e = queued("a", "s", 1.0);
+        e.owner = String::new();
+        e.submitter = Some("bridge".into());
+        apply(&mut t, &e);
+        let by = |t: &JobTable, f: Filter| -> Vec<String> {
+            t.query(&f, None, 10)
+                .0
+                .iter()
+                .map(|r| r.id.clone())
+                .collect()
+        };
+        let owner = |o: &str| Filter {
+            owner: Some(o.into()),
+            ..Default::default()
+        };
+        let visible = |u: &str| Filter {
+            visible_to: Some(u.into()),
+            ..Default::default()
+        };
+        assert!(by(&t, owner("alice")).is_empty());
+        assert_eq!(by(&t, visible("bridge")), ["a"]);
+        // The owner becomes known with the start.
+        apply(&mut t, &ev("a", Some("s"), 2.0, JobState::Started));
+        assert_eq!(by(&t, owner("alice")), ["a"]);
+        assert_eq!(by(&t, visible("alice")), ["a"]);
+        assert_eq!(by(&t, visible("bridge")), ["a"]);
+        assert!(by(&t, owner("bridge")).is_empty(), "owner is not submitter");
+        apply(&mut t, &ev("a", Some("s"), 3.0, done(0)));
+        assert_eq!(t.expire(1000.0, 10.0), 1);
+        assert!(by(&t, visible("alice")).is_empty() && t.by_user.is_empty() && t.ids.is_empty());
+    }
+
+    #[test]
+    fn a_job_is_found_by_its_id_or_a_unique_prefix() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("abc1", "s", 1.0));
+        apply(&mut t, &queued("abc2", "s", 1.0));
+        apply(&mut t, &queued("xyz", "s", 1.0));
+        assert_eq!(t.find("xyz").unwrap().id, "xyz");
+        assert_eq!(t.find("x").unwrap().id, "xyz");
+        assert_eq!(
+            t.find("abc").unwrap_err(),
+            FindError::Ambiguous(vec!["abc1".into(), "abc2".into()])
+        );
+        assert_eq!(t.find("q").unwrap_err(), FindError::Unknown);
+        assert_eq!(t.find("").unwrap_err(), FindError::Unknown);
     }
 }
