@@ -264,6 +264,10 @@ async fn run_session(
     let mut probe = Some(Box::pin(prove_session(ctx)));
 
     let mut consumer: Option<Consumer> = None;
+    // Deliveries the running consumer may still bring (its prefetch): the
+    // consumer is cancelled when they have come, before the last one's
+    // claim can ack, so nothing beyond the window arrives to be requeued.
+    let mut window: usize = 0;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut blocked = *blocked_rx.borrow_and_update();
@@ -307,6 +311,7 @@ async fn run_session(
         match now.step() {
             PullStep::Start { prefetch } => {
                 consumer = Some(start_consumer(ctx, &jobs_ch, prefetch).await?);
+                window = prefetch.clamp(1, u16::MAX as usize);
             }
             PullStep::Stop => {
                 if let Some(c) = consumer.take() {
@@ -330,9 +335,14 @@ async fn run_session(
                     // Cancel before the claim can ack: with prefetch = free
                     // slots nothing else is in flight, so a full agent
                     // requeues nothing (requeues count towards the pool
-                    // queue's delivery limit).
+                    // queue's delivery limit). A job of several slots may
+                    // fill the agent before the window is used up: the
+                    // rest of the window is still claimed and waits for
+                    // slots (`Shared::wait_for_slots`) instead of being
+                    // requeued; the consumer restarts only with free slots.
+                    window = window.saturating_sub(1);
                     let stopped = match consumer.take() {
-                        Some(c) if ctx.shared.is_full() => stop_consumer(ctx, &jobs_ch, c).await,
+                        Some(c) if window == 0 => stop_consumer(ctx, &jobs_ch, c).await,
                         other => {
                             consumer = other;
                             Ok(())
@@ -620,7 +630,8 @@ async fn dispatch(
 ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
     let decoded = Job::decode(&delivery.data);
     let key = envelope::delivery_key(decoded.as_ref().ok(), &delivery.properties);
-    match ctx.shared.claim(&key) {
+    let slots = decoded.as_ref().map(|j| j.slots).unwrap_or(1);
+    match ctx.shared.claim(&key, slots) {
         Claim::New { cancel, claim } => Some(Box::pin(handle_delivery(
             ctx.clone(),
             delivery,
