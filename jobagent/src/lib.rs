@@ -227,17 +227,12 @@ async fn refresh_markers(ctx: Arc<Ctx>, stop: CancellationToken) {
 
 fn create_state_dir(dir: &std::path::Path) -> Result<(), AgentError> {
     use std::os::unix::fs::DirBuilderExt;
-    use std::os::unix::fs::PermissionsExt;
-    let err = |source| AgentError::StateDir {
-        path: dir.to_path_buf(),
-        source,
-    };
     std::fs::DirBuilder::new()
         .recursive(true)
-        .mode(0o711)
+        .mode(0o700)
         .create(dir)
-        .map_err(err)?;
-    // 0711: jobs reach their `PBS_NODEFILE` in `nodefiles/` by name but
-    // list nothing; every other entry (outbox, running) is 0700 itself.
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(err)
+        .map_err(|source| AgentError::StateDir {
+            path: dir.to_path_buf(),
+            source,
+        })
 }

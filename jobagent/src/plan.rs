@@ -71,7 +71,7 @@ pub struct LaunchPlan {
     pub state_dir: PathBuf,
     /// Slots the job takes (`PBS_NP`), 1..=the agent's slots.
     pub slots: u32,
-    /// `PBS_NODEFILE`: `<state_dir>/nodefiles/<job id>`, written by the
+    /// `PBS_NODEFILE`: `<nodefile_dir>/<job id>`, written by the
     /// agent (root) before the job starts with `slots` lines of the host
     /// name, mode 0644, removed after the job ([`crate::supervise`]).
     pub nodefile: PathBuf,
@@ -85,12 +85,10 @@ pub struct LaunchPlan {
     pub requested_cpu_quota_us: u64,
 }
 
-/// Directory of the `PBS_NODEFILE`s under the agent's state directory.
-pub const NODEFILE_DIR: &str = "nodefiles";
-
-/// The `PBS_NODEFILE` path of job `id` under `state_dir`.
-pub fn nodefile_path(state_dir: &std::path::Path, id: &str) -> PathBuf {
-    state_dir.join(NODEFILE_DIR).join(id)
+/// The `PBS_NODEFILE` path of job `id` in `nodefile_dir` (the agent's
+/// `nodefile_dir`; job ids are checked labels: no `/`, no leading `.`).
+pub fn nodefile_path(nodefile_dir: &std::path::Path, id: &str) -> PathBuf {
+    nodefile_dir.join(id)
 }
 
 /// The `cpu.max` period used for [`LaunchPlan::cpu_quota_us`], microseconds.
@@ -320,7 +318,7 @@ pub fn plan_job(
         pids_max: cfg.job_pids_max,
         state_dir: cfg.state_dir.clone(),
         slots: job.slots,
-        nodefile: nodefile_path(&cfg.state_dir, &job.id),
+        nodefile: nodefile_path(&cfg.nodefile_dir, &job.id),
         requested_memory_bytes: job.mem.unwrap_or(0),
         requested_cpu_quota_us: u64::from(job.slots) * CPU_PERIOD_US,
     })
@@ -476,7 +474,7 @@ pub fn job_environment(
         env.insert(k.clone(), v.clone());
     }
     let np = job.slots.to_string();
-    let nodefile = nodefile_path(&cfg.state_dir, &job.id)
+    let nodefile = nodefile_path(&cfg.nodefile_dir, &job.id)
         .to_string_lossy()
         .into_owned();
     let fixed = [
@@ -951,7 +949,7 @@ mod tests {
         assert_eq!(env["PBS_NP"], "3");
         assert_eq!(env["PBS_NUM_PPN"], "3");
         assert_eq!(env["PBS_NUM_NODES"], "1");
-        let nodefile = c.state_dir.join("nodefiles").join("42-x");
+        let nodefile = c.nodefile_dir.join("42-x");
         assert_eq!(env["PBS_NODEFILE"], nodefile.to_str().unwrap());
         assert_eq!(plan.nodefile, nodefile);
         assert_eq!(plan.slots, 3);

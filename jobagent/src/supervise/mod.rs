@@ -467,7 +467,7 @@ impl Drop for RemoveOnDrop {
 
 /// Writes the job's `PBS_NODEFILE` ([`LaunchPlan::nodefile`]): `slots`
 /// lines of this host's name, as pbs_mom writes one line per processor.
-/// The directory `<state_dir>/nodefiles` belongs to root, mode 0711 (the
+/// Its directory (`nodefile_dir`) belongs to root, mode 0711 (the
 /// owner can open a file whose name it knows, list nothing, create
 /// nothing), so no job owner can plant a symlink there; the file is
 /// created new (`O_EXCL | O_NOFOLLOW`, a stale one of a crashed agent is
@@ -482,7 +482,11 @@ pub fn write_nodefile(plan: &LaunchPlan) -> Result<(), LaunchError> {
     let dir = plan.nodefile.parent().ok_or_else(|| {
         prep("nodefile path")(std::io::Error::from_raw_os_error(nix::libc::EINVAL))
     })?;
-    match std::fs::DirBuilder::new().mode(0o711).create(dir) {
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(dir)
+    {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(prep("create the nodefile directory")(e)),
