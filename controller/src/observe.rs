@@ -118,6 +118,12 @@ pub struct Observed {
     pub queued: u64,
     /// Jobs running: max of the heartbeats' sum and the bridges' demand.
     pub running: u64,
+    /// Slots the waiting jobs ask for: the job table's queued jobs' slots,
+    /// plus 1 per queue message the table does not know of (the queue
+    /// depth is a floor at 1 slot per message); at least `queued`.
+    pub queued_slots: u64,
+    /// Slots of the running jobs: the job table's, at least `running`.
+    pub running_slots: u64,
     /// Instances the quota still allows (shared by all pools); `None` =
     /// unlimited.
     pub quota_remaining: Option<u32>,
@@ -188,6 +194,8 @@ pub struct PoolInputs<'a> {
     pub unlisted_created: u32,
     /// See [`Observed::boot_obstacle`].
     pub boot_obstacle: Option<&'a str>,
+    /// The pool's slots from the job table (`None`: not known).
+    pub job_slots: Option<crate::jobs::slots::PoolSlots>,
     /// The cycle's clock.
     pub clock: Clock,
 }
@@ -250,6 +258,10 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         servers,
         queued: queue_depth.max(d_queued),
         running: heartbeat_running.max(d_running),
+        queued_slots: slot_demand(queue_depth.max(d_queued), input.job_slots).0,
+        running_slots: slot_demand(queue_depth.max(d_queued), input.job_slots)
+            .1
+            .max(heartbeat_running.max(d_running)),
         quota_remaining,
         listening_secs: clock.listening_secs,
         since_scale_down_secs: input.since_scale_down_secs,
@@ -257,6 +269,22 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         boot_obstacle: input.boot_obstacle.map(str::to_string),
         unlisted_created: input.unlisted_created,
         boot_gate: BootGate::Open,
+    }
+}
+
+/// `(queued slots, running slots)` from `queued` jobs (queue depth or
+/// bridge demand) and the job table's `table` view of the pool: the
+/// table's queued slots plus 1 per queued job it does not know of, at
+/// least `queued`; the table's running slots. Pure.
+pub fn slot_demand(queued: u64, table: Option<crate::jobs::slots::PoolSlots>) -> (u64, u64) {
+    match table {
+        None => (queued, 0),
+        Some(t) => (
+            t.queued_slots
+                .saturating_add(queued.saturating_sub(t.queued_jobs))
+                .max(queued),
+            t.running_slots,
+        ),
     }
 }
 
@@ -549,6 +577,11 @@ pub async fn observe_pool<B: BrokerApi>(
         since_boot_failure_secs: since(&memory.last_boot_failure),
         unlisted_created,
         boot_obstacle: boot_obstacle.as_deref(),
+        job_slots: world
+            .events
+            .job_slots
+            .as_ref()
+            .map(|m| m.get(pool).copied().unwrap_or_default()),
         clock: world.clock,
     }))
 }
@@ -581,6 +614,7 @@ mod tests {
             since_boot_failure_secs: None,
             unlisted_created: 0,
             boot_obstacle: None,
+            job_slots: None,
             clock,
         }
     }
@@ -781,6 +815,7 @@ mod tests {
                 since_boot_failure_secs: None,
                 unlisted_created: 0,
                 boot_obstacle: None,
+                job_slots: None,
                 clock: Clock {
                     now: Instant::now(),
                     unix_now: 100.0,

@@ -5,6 +5,7 @@
 
 pub mod feed;
 pub mod http;
+pub mod slots;
 pub mod table;
 
 pub use feed::{JobsView, SharedJobs};
