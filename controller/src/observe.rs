@@ -142,6 +142,9 @@ pub struct Observed {
     /// Servers this controller created that no listing of the pool has
     /// shown yet: they count as booting (see [`CreatedWatch`]).
     pub unlisted_created: u32,
+    /// The pool's configured `slots` per VM (0: not known), to tell agents
+    /// whose heartbeat says otherwise (`/status` `slots_mismatch`).
+    pub configured_slots: u32,
     /// What the pool's boot-failure backoff and circuit breaker let it
     /// boot ([`crate::breaker`]); set by the loop after observing.
     pub boot_gate: BootGate,
@@ -196,6 +199,8 @@ pub struct PoolInputs<'a> {
     pub boot_obstacle: Option<&'a str>,
     /// The pool's slots from the job table (`None`: not known).
     pub job_slots: Option<crate::jobs::slots::PoolSlots>,
+    /// See [`Observed::configured_slots`].
+    pub configured_slots: u32,
     /// The cycle's clock.
     pub clock: Clock,
 }
@@ -268,6 +273,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         since_boot_failure_secs: input.since_boot_failure_secs,
         boot_obstacle: input.boot_obstacle.map(str::to_string),
         unlisted_created: input.unlisted_created,
+        configured_slots: input.configured_slots,
         boot_gate: BootGate::Open,
     }
 }
@@ -394,6 +400,9 @@ pub struct PoolMemory {
     pub last_boot_failure: BTreeMap<String, Instant>,
     /// The servers created that no listing has shown yet.
     pub created_watch: CreatedWatch,
+    /// Agents whose heartbeat's slots differ from their pool's `slots`,
+    /// with the slots already warned about (a warning once per change).
+    pub slots_warned: BTreeMap<String, u32>,
 }
 
 /// The part of a cycle's observation every pool shares, read once.
@@ -565,6 +574,24 @@ pub async fn observe_pool<B: BrokerApi>(
         memory
             .created_watch
             .listed(pool, listed, pool_cfg.boot_timeout_secs, now);
+    for s in world.servers.iter().filter(|s| owned_by(s, cluster, pool)) {
+        let Some((hb, _)) = world
+            .events
+            .agents
+            .get(&s.name)
+            .and_then(|r| r.heartbeat.as_ref())
+        else {
+            continue;
+        };
+        if hb.slots != pool_cfg.slots {
+            if memory.slots_warned.insert(s.name.clone(), hb.slots) != Some(hb.slots) {
+                tracing::warn!(pool, agent = %s.name, agent_slots = hb.slots, pool_slots = pool_cfg.slots,
+                    "agent heartbeats other slots than its pool's configured slots: the controller plans with the pool's, the agent runs with its own (fix the pool's slots or the agent's config)");
+            }
+        } else {
+            memory.slots_warned.remove(&s.name);
+        }
+    }
     Ok(assemble(&PoolInputs {
         cluster,
         pool,
@@ -582,6 +609,7 @@ pub async fn observe_pool<B: BrokerApi>(
             .job_slots
             .as_ref()
             .map(|m| m.get(pool).copied().unwrap_or_default()),
+        configured_slots: pool_cfg.slots,
         clock: world.clock,
     }))
 }
@@ -615,6 +643,7 @@ mod tests {
             unlisted_created: 0,
             boot_obstacle: None,
             job_slots: None,
+            configured_slots: 0,
             clock,
         }
     }
@@ -816,6 +845,7 @@ mod tests {
                 unlisted_created: 0,
                 boot_obstacle: None,
                 job_slots: None,
+                configured_slots: 0,
                 clock: Clock {
                     now: Instant::now(),
                     unix_now: 100.0,

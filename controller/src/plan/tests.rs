@@ -64,6 +64,7 @@ fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
         since_boot_failure_secs: None,
         boot_obstacle: None,
         unlisted_created: 0,
+        configured_slots: 0,
         boot_gate: Default::default(),
     }
 }
