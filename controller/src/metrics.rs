@@ -88,6 +88,15 @@ pub struct Metrics {
     pub pool_breaker_open: Family<Labels, Gauge>,
     /// The pool's consecutive boot failures.
     pub pool_boot_failures: Family<Labels, Gauge>,
+    /// Unix time at which the current Keystone token expires (0: none yet).
+    pub cloud_token_expiry: Gauge<f64, AtomicU64>,
+    /// Unix time at which the application credential expires; a series
+    /// only while one is in use and has an expiry (see
+    /// [`Metrics::set_credential_expiry`]).
+    pub cloud_credential_expiry: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Servers of the pool still listed `delete_timeout_secs` after the
+    /// controller's first `DELETE`.
+    pub pool_servers_stuck_deleting: Family<Labels, Gauge>,
 }
 
 /// The agent states of `vq_pool_agents{state}`.
@@ -228,6 +237,9 @@ impl Metrics {
             pool_agents: Family::default(),
             pool_slots: Family::default(),
             pool_breaker_open: Family::default(),
+            pool_servers_stuck_deleting: Family::default(),
+            cloud_token_expiry: Gauge::default(),
+            cloud_credential_expiry: Family::default(),
             pool_boot_failures: Family::default(),
         };
         m.build_info
@@ -367,6 +379,21 @@ impl Metrics {
             m.pool_slots.clone(),
         );
         registry.register(
+            "vq_cloud_token_expiry_timestamp_seconds",
+            "Unix time at which the controller's current Keystone token expires (0 before the first)",
+            m.cloud_token_expiry.clone(),
+        );
+        registry.register(
+            "vq_cloud_credential_expiry_timestamp_seconds",
+            "Unix time at which the application credential the controller authenticates with expires (no series for a password or a credential without expiry)",
+            m.cloud_credential_expiry.clone(),
+        );
+        registry.register(
+            "vq_pool_servers_stuck_deleting",
+            "Servers of the pool still listed delete_timeout_secs after the controller's first DELETE (Nova accepted it and did not act)",
+            m.pool_servers_stuck_deleting.clone(),
+        );
+        registry.register(
             "vq_pool_breaker_open",
             "1 while the pool's boot circuit breaker is open or half-open (it boots at most one trial server), else 0",
             m.pool_breaker_open.clone(),
@@ -387,6 +414,21 @@ impl Metrics {
     /// Labels `pool=<pool>, <key>=<value>`.
     pub fn pool_and(pool: &str, key: &str, value: &str) -> Labels {
         vec![("pool".into(), pool.into()), (key.into(), value.into())]
+    }
+
+    /// Sets `vq_cloud_credential_expiry_timestamp_seconds` to `at` (Unix
+    /// seconds), or removes its series (`None`: the credential does not
+    /// expire).
+    pub fn set_credential_expiry(&self, at: Option<f64>) {
+        let none: Labels = Vec::new();
+        match at {
+            Some(at) => {
+                self.cloud_credential_expiry.get_or_create(&none).set(at);
+            }
+            None => {
+                self.cloud_credential_expiry.remove(&none);
+            }
+        }
     }
 
     /// Marks `pool` as observed at `unix_now` (its value gauges are set by

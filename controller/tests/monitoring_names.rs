@@ -31,7 +31,12 @@ fn served_names() -> BTreeSet<String> {
     ] {
         h.get_or_create(&cms).observe(1.0);
     }
-    for g in [&m.pool_queued, &m.pool_running, &m.pool_target] {
+    for g in [
+        &m.pool_queued,
+        &m.pool_running,
+        &m.pool_target,
+        &m.pool_servers_stuck_deleting,
+    ] {
         g.get_or_create(&cms).set(1);
     }
     for g in [&m.pool_vms, &m.pool_agents, &m.pool_slots] {
@@ -47,6 +52,8 @@ fn served_names() -> BTreeSet<String> {
         c.get_or_create(&cms_and("reason", "x")).inc();
     }
     m.cloud_errors.inc();
+    m.cloud_token_expiry.set(1.0);
+    m.set_credential_expiry(Some(1.0));
     m.broker_reconnects.inc();
     let text = m.render();
     let mut names = BTreeSet::new();

@@ -365,6 +365,18 @@ impl Credentials {
         }
     }
 
+    /// `{auth_url}/v3/users/{user_id}/application_credentials/{id}`
+    /// (Keystone API v3, "Show application credential details").
+    pub fn application_credential_url(&self, user_id: &str, id: &str) -> String {
+        let base = self.auth_url.trim_end_matches('/');
+        let v3 = if base.ends_with("/v3") {
+            base.to_string()
+        } else {
+            format!("{base}/v3")
+        };
+        format!("{v3}/users/{user_id}/application_credentials/{id}")
+    }
+
     /// The JSON body of `POST /v3/auth/tokens`.
     pub fn token_request(&self) -> Value {
         fn domain(name: &Option<String>, id: &Option<String>) -> Value {

@@ -31,6 +31,10 @@ pub(super) struct Session {
     pub(super) image: Option<String>,
 }
 
+/// Less than this left on the application credential (seconds, a week)
+/// is logged as a warning with each new token.
+pub const CREDENTIAL_WARN_SECS: f64 = 7.0 * 86_400.0;
+
 /// [`CloudApi`](super::CloudApi) over HTTP: Keystone v3, Nova v2.1, Glance v2.
 pub struct HttpCloud {
     pub(super) client: reqwest::Client,
@@ -65,7 +69,30 @@ struct TokenInfo {
     #[serde(default)]
     issued_at: Option<String>,
     #[serde(default)]
+    user: Option<IdOnly>,
+    /// Present when the token was got with an application credential.
+    #[serde(default)]
+    application_credential: Option<IdOnly>,
+    #[serde(default)]
     catalog: Vec<CatalogEntry>,
+}
+
+#[derive(Deserialize)]
+struct IdOnly {
+    id: String,
+}
+
+/// `GET …/application_credentials/{id}`: `{"application_credential":
+/// {"expires_at": "2018-02-27T18:30:59.000000" | null, …}}`.
+#[derive(Deserialize)]
+struct AppCredBody {
+    application_credential: AppCredInfo,
+}
+
+#[derive(Deserialize)]
+struct AppCredInfo {
+    #[serde(default)]
+    expires_at: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -261,12 +288,71 @@ impl HttpCloud {
             expires_in_secs = (expires_at - unix_now()) as i64,
             "authenticated to Keystone"
         );
+        if let Some(m) = &self.metrics {
+            m.cloud_token_expiry.set(expires_at);
+        }
+        if let (Some(user), Some(cred)) = (&body.token.user, &body.token.application_credential) {
+            self.note_credential_expiry(&token, &user.id, &cred.id)
+                .await;
+        }
         Ok(Session {
             token,
             renew_at,
             compute,
             image,
         })
+    }
+
+    /// Reads the expiry of the application credential `id` of `user_id`
+    /// (with each new token, so a credential replaced under the same id is
+    /// seen) into `vq_cloud_credential_expiry_timestamp_seconds`, and warns
+    /// when less than a week is left. Best effort: a failure is logged and
+    /// the gauge keeps its last value; a credential that never expires
+    /// removes it.
+    async fn note_credential_expiry(&self, token: &str, user_id: &str, id: &str) {
+        let url = self.creds.application_credential_url(user_id, id);
+        let op = "GET /v3/users/{user_id}/application_credentials/{id}";
+        let resp = self
+            .client
+            .get(&url)
+            .header("X-Auth-Token", token)
+            .send()
+            .await;
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                self.count(op, None);
+                tracing::warn!(url = %url, error = %e, "cannot read the application credential's expiry");
+                return;
+            }
+        };
+        self.count(op, Some(resp.status().as_u16()));
+        if !resp.status().is_success() {
+            tracing::warn!(url = %url, status = resp.status().as_u16(), "cannot read the application credential's expiry");
+            return;
+        }
+        let expires_at = match resp.json::<AppCredBody>().await {
+            Ok(b) => b.application_credential.expires_at,
+            Err(e) => {
+                tracing::warn!(url = %url, error = %e, "cannot decode the application credential");
+                return;
+            }
+        };
+        let at = expires_at.as_deref().and_then(parse_timestamp);
+        if let Some(m) = &self.metrics {
+            m.set_credential_expiry(at);
+        }
+        match at {
+            Some(at) if at - unix_now() < CREDENTIAL_WARN_SECS => {
+                tracing::warn!(application_credential = %id, expires_in_secs = (at - unix_now()) as i64, "the application credential expires soon: create a new one and update clouds.yaml")
+            }
+            Some(at) => {
+                tracing::info!(application_credential = %id, expires_in_secs = (at - unix_now()) as i64, "application credential expiry read")
+            }
+            None => {
+                tracing::info!(application_credential = %id, "the application credential does not expire")
+            }
+        }
     }
 
     pub(super) async fn session(&self, force: bool) -> Result<Session, CloudError> {

@@ -115,6 +115,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         password: args.password,
         project: args.project,
         app_cred: args.app_cred_id.zip(args.app_cred_secret),
+        app_cred_expires_at: None,
         compute_max_minor: args.compute_max_minor,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

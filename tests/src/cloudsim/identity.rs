@@ -28,6 +28,10 @@ pub(crate) fn router(state: Arc<SimState>) -> Router {
             "/identity/v3/auth/tokens",
             get(validate).post(issue).delete(revoke),
         )
+        .route(
+            "/identity/v3/users/{user_id}/application_credentials/{id}",
+            get(get_app_cred),
+        )
         .with_state(state)
 }
 
@@ -247,7 +251,11 @@ async fn issue(State(state): State<Arc<SimState>>, body: Bytes) -> Response {
     let token = Token {
         methods: grant.methods,
         issued_at: now,
-        expires_at: now + state.config.token_ttl,
+        // Keystone caps a token at its application credential's expiry.
+        expires_at: match (&grant.app_cred, state.config.app_cred_expires_at) {
+            (Some(_), Some(limit)) => (now + state.config.token_ttl).min(limit),
+            _ => now + state.config.token_ttl,
+        },
         scoped: grant.scoped,
         app_cred: grant.app_cred,
         audit_id: uuid::Uuid::new_v4().simple().to_string()[..22].to_string(),
@@ -298,6 +306,43 @@ async fn validate(State(state): State<Arc<SimState>>, headers: HeaderMap) -> Res
             &format!("Could not find token: {subject}."),
         ),
     }
+}
+
+/// `GET /v3/users/{user_id}/application_credentials/{id}` (Keystone API
+/// v3, "Show application credential details"): the owner's own credential,
+/// `expires_at` without a zone (`2018-02-27T18:30:59.000000`) or null.
+async fn get_app_cred(
+    State(state): State<Arc<SimState>>,
+    headers: HeaderMap,
+    axum::extract::Path((user_id, id)): axum::extract::Path<(String, String)>,
+) -> Response {
+    if valid_token(&state, &headers, "X-Auth-Token").is_none() {
+        return keystone_error(&state, StatusCode::UNAUTHORIZED, AUTH_REQUIRED);
+    }
+    let known = state.config.app_cred.as_ref().map(|(i, _)| i.as_str());
+    if user_id != state.user_id || known != Some(id.as_str()) {
+        return keystone_error(
+            &state,
+            StatusCode::NOT_FOUND,
+            &format!("Could not find application credential: {id}."),
+        );
+    }
+    let expires_at = state
+        .config
+        .app_cred_expires_at
+        .map(|t| iso8601(t, Style::MicrosNaive));
+    axum::Json(json!({"application_credential": {
+        "id": id,
+        "name": id,
+        "description": null,
+        "expires_at": expires_at,
+        "project_id": state.project_id,
+        "roles": [{"id": "0f1e2d3c4b5a69788796a5b4c3d2e1f0", "name": "member"}],
+        "unrestricted": false,
+        "access_rules": [],
+        "links": {"self": format!("{}/identity/v3/users/{user_id}/application_credentials/{id}", state.base())},
+    }}))
+    .into_response()
 }
 
 async fn revoke(State(state): State<Arc<SimState>>, headers: HeaderMap) -> Response {

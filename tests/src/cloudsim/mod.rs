@@ -86,6 +86,10 @@ pub struct SimConfig {
     pub project: String,
     /// Application credential `(id, secret)` accepted for the user's project.
     pub app_cred: Option<(String, String)>,
+    /// When the application credential expires (Keystone's `expires_at`;
+    /// `None`: never). Tokens it gets expire no later, as Keystone caps
+    /// them.
+    pub app_cred_expires_at: Option<std::time::SystemTime>,
     /// Highest compute microversion served is `2.<compute_max_minor>`
     /// (default [`MAX_COMPUTE_MINOR`], 96). The version document says so and
     /// a request for a higher one is answered 406, as an older Nova does.
@@ -116,6 +120,7 @@ impl SimConfig {
             password: "demo-secret".into(),
             project: "demo".into(),
             app_cred: None,
+            app_cred_expires_at: None,
             compute_max_minor: MAX_COMPUTE_MINOR,
         }
     }

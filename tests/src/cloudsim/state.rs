@@ -161,6 +161,9 @@ pub(crate) struct Inner {
     pub faults: Faults,
     /// Servers ever created (shown by `/_sim/servers` as `created_total`).
     pub created_total: u64,
+    /// `DELETE /servers/{id}` requests answered 204 (shown by
+    /// `/_sim/servers` as `delete_requests_total`).
+    pub delete_requests_total: u64,
 }
 
 impl Inner {
