@@ -8,7 +8,11 @@
 
 use std::time::Duration;
 
-use vq_tests::harness::{job, one_agent, require_root, OneAgent};
+use vq_common::messages::Control;
+use vq_tests::harness::{
+    ensure_test_user, job, one_agent, require_root, start_agent, unique_cluster, wait_agent_up,
+    OneAgent, TestBroker,
+};
 
 const POOL: &str = "batch";
 const EVENT_WAIT: Duration = Duration::from_secs(60);
@@ -168,6 +172,132 @@ async fn a_ppn4_job_on_a_two_slot_agent_is_dead_lettered_with_a_failed_event() -
     assert_eq!(field(&read(&out_path), "NP"), "2");
     let _ = std::fs::remove_file(out_path);
     let _ = std::fs::remove_file(s.alice.home.join(format!("fits.e{}", ok.seq())));
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_ppn2_job_never_shares_a_two_slot_agent_with_ppn1_jobs() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let mut s = two_slot_agent().await?;
+    let mut wide = job(POOL, &s.alice.name, "mixW", &timed_script("1"));
+    wide.slots = 2;
+    let n1 = job(POOL, &s.alice.name, "mixN1", &timed_script("1"));
+    let n2 = job(POOL, &s.alice.name, "mixN2", &timed_script("1"));
+    // Published together: delivered in one prefetch window of 2.
+    s.broker.publish_job(&n1).await?;
+    s.broker.publish_job(&wide).await?;
+    s.broker.publish_job(&n2).await?;
+    let mut spans = std::collections::BTreeMap::new();
+    for j in [&n1, &wide, &n2] {
+        let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
+        assert_eq!(fin["outcome"]["code"], 0, "{fin}");
+        let out_path = s.alice.home.join(format!("{}.o{}", j.name, j.seq()));
+        let out = read(&out_path);
+        assert_eq!(field(&out, "NP"), j.slots.to_string(), "{out}");
+        let start: u128 = field(&out, "START").parse()?;
+        let end: u128 = field(&out, "END").parse()?;
+        spans.insert(j.name.clone(), (start, end));
+        let _ = std::fs::remove_file(out_path);
+        let _ = std::fs::remove_file(s.alice.home.join(format!("{}.e{}", j.name, j.seq())));
+    }
+    let w = spans["mixW"];
+    for n in ["mixN1", "mixN2"] {
+        let o = spans[n];
+        assert!(
+            o.1 <= w.0 || w.1 <= o.0,
+            "{n} ran beside the 2-slot job on a 2-slot agent: {spans:?}"
+        );
+    }
+    drop(s.agent);
+    s.broker.cleanup().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_job_cancelled_while_it_waits_for_slots_never_runs() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    // Both jobs are queued before the agent starts: its first consumer
+    // (prefetch 2) gets both at once; the first fills the agent, the
+    // second is claimed from the buffer and waits for slots.
+    let alice = ensure_test_user("vqt-alice", 2001)?;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let mut first = job(POOL, &alice.name, "holder", "sleep 120\n");
+    first.slots = 2;
+    let mut waiting = job(POOL, &alice.name, "waiter", "echo ran\n");
+    waiting.slots = 2;
+    broker.publish_job(&first).await?;
+    broker.publish_job(&waiting).await?;
+    let agent = format!("{cluster}-a1");
+    let guard = start_agent(
+        &cluster,
+        POOL,
+        &agent,
+        "slots = 2\nkill_grace_secs = 1\n",
+        &[],
+    )?;
+    let mut s = OneAgent {
+        broker,
+        tap: {
+            wait_agent_up(&mut tap, &agent).await?;
+            tap
+        },
+        agent: guard,
+        alice,
+    };
+    s.tap.job_event(&first.id, "started", EVENT_WAIT).await?;
+    // The agent holds the second job (claimed, waiting): its heartbeat
+    // lists both.
+    let wid = waiting.id.clone();
+    s.tap
+        .wait_for(EVENT_WAIT, "heartbeat listing the waiting job", |k, v| {
+            k.ends_with(".heartbeat")
+                && v["running"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|x| x == wid.as_str()))
+        })
+        .await?;
+    s.broker
+        .publish_control(
+            &agent,
+            &Control::Cancel {
+                job_id: waiting.id.clone(),
+            },
+        )
+        .await?;
+    let ev = s
+        .tap
+        .job_event(&waiting.id, "cancelled", EVENT_WAIT)
+        .await?;
+    assert_eq!(ev["outcome"]["kind"], "cancelled", "{ev}");
+    assert_eq!(ev["usage"]["wall_secs"], 0.0, "{ev}");
+    assert!(
+        !s.alice
+            .home
+            .join(format!("waiter.o{}", waiting.seq()))
+            .exists(),
+        "a job cancelled while waiting must not run"
+    );
+    s.broker
+        .publish_control(
+            &agent,
+            &Control::Cancel {
+                job_id: first.id.clone(),
+            },
+        )
+        .await?;
+    s.tap.job_event(&first.id, "cancelled", EVENT_WAIT).await?;
+    let _ = std::fs::remove_file(s.alice.home.join(format!("holder.o{}", first.seq())));
+    let _ = std::fs::remove_file(s.alice.home.join(format!("holder.e{}", first.seq())));
     drop(s.agent);
     s.broker.cleanup().await;
     Ok(())
