@@ -164,15 +164,55 @@ pub fn count_job_event(metrics: &Metrics, routing_key: &str, user_id: Option<&st
     }
 }
 
+/// The `message_id`s of the last [`RecentIds::CAPACITY`] job events, so that
+/// a retransmitted event (a publish whose confirm was lost is sent again,
+/// with the same `message_id`; DESIGN.md "Unknown outcomes") is counted
+/// once. Bounded: an id older than the last `CAPACITY` events counts again.
+#[derive(Debug, Default)]
+pub struct RecentIds {
+    order: std::collections::VecDeque<String>,
+    seen: std::collections::HashSet<String>,
+}
+
+impl RecentIds {
+    /// Ids remembered.
+    pub const CAPACITY: usize = 65_536;
+
+    /// Whether `id` is new (and remembers it); `None` (an event without
+    /// `message_id`) is always new.
+    pub fn first_time(&mut self, id: Option<&str>) -> bool {
+        let Some(id) = id else {
+            return true;
+        };
+        if self.seen.contains(id) {
+            return false;
+        }
+        if self.order.len() == Self::CAPACITY {
+            if let Some(old) = self.order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        self.order.push_back(id.to_string());
+        self.seen.insert(id.to_string());
+        true
+    }
+}
+
 pub(crate) async fn consume_events(
     mut consumer: Consumer,
     shared: Arc<StdMutex<Shared>>,
     metrics: Arc<Metrics>,
     _ch: Channel,
 ) {
+    let mut recent = RecentIds::default();
     while let Some(delivery) = consumer.next().await {
         match delivery {
             Ok(d) if d.routing_key.as_str().starts_with("job.") => {
+                let id = d.properties.message_id().as_ref().map(|m| m.as_str());
+                if !recent.first_time(id) {
+                    tracing::debug!(message_id = ?id, "job event retransmitted: counted once");
+                    continue;
+                }
                 let user_id = d.properties.user_id().as_ref().map(|u| u.as_str());
                 count_job_event(&metrics, d.routing_key.as_str(), user_id, &d.data);
             }
@@ -255,6 +295,21 @@ pub(crate) async fn consume_demand(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retransmitted_event_is_counted_once_and_the_memory_is_bounded() {
+        let mut r = RecentIds::default();
+        assert!(r.first_time(Some("j.1.finished")));
+        assert!(!r.first_time(Some("j.1.finished")));
+        assert!(r.first_time(None) && r.first_time(None));
+        for i in 0..RecentIds::CAPACITY {
+            assert!(r.first_time(Some(&format!("other.{i}"))));
+        }
+        assert_eq!(r.order.len(), RecentIds::CAPACITY);
+        assert_eq!(r.seen.len(), RecentIds::CAPACITY);
+        // Pushed out by newer ids: counted again.
+        assert!(r.first_time(Some("j.1.finished")));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn heartbeats_and_answers_are_recorded_by_agent() {

@@ -132,6 +132,8 @@ pub fn note_registry(
 pub struct FenceOutcome {
     /// Agents whose leases were returned (their server is gone).
     pub fenced: Vec<String>,
+    /// Jobs of those agents returned to their pool: (job id, pool).
+    pub requeued: Vec<(String, String)>,
     /// Broker errors met (the caller notes refused permissions); each was
     /// logged, and what failed is retried next cycle.
     pub errors: Vec<AmqpError>,
@@ -186,6 +188,7 @@ pub async fn fence_step<B: BrokerApi, P: Ord + std::borrow::Borrow<str>>(
                 if !r.requeued.is_empty() || !r.failed.is_empty() {
                     tracing::warn!(agent = %agent, requeued = ?r.requeued, failed = ?r.failed, "returned the leases of a lost agent");
                 }
+                out.requeued.extend(r.requeued);
                 out.fenced.push(agent);
             }
             Err(e) => {

@@ -88,6 +88,11 @@ pub struct Metrics {
     pub pool_breaker_open: Family<Labels, Gauge>,
     /// The pool's consecutive boot failures.
     pub pool_boot_failures: Family<Labels, Gauge>,
+    /// Jobs the controller returned to their pool queue, by pool and
+    /// reason (`node-lost`: their agent's server is gone).
+    pub jobs_requeued: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Run time of finished jobs (the agent's `usage.wall_secs`), per pool.
+    pub job_run: Family<Labels, Histogram, fn() -> Histogram>,
     /// Unix time at which the current Keystone token expires (0: none yet).
     pub cloud_token_expiry: Gauge<f64, AtomicU64>,
     /// Unix time at which the application credential expires; a series
@@ -115,6 +120,11 @@ fn boot_active_histogram() -> Histogram {
 
 fn boot_heartbeat_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1.0, 2.0, 10))
+}
+
+/// 1 s to about 9 days.
+fn job_run_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 4.0, 11))
 }
 
 fn drain_histogram() -> Histogram {
@@ -239,6 +249,8 @@ impl Metrics {
             pool_breaker_open: Family::default(),
             pool_servers_stuck_deleting: Family::default(),
             cloud_token_expiry: Gauge::default(),
+            jobs_requeued: Family::default(),
+            job_run: Family::new_with_constructor(job_run_histogram),
             cloud_credential_expiry: Family::default(),
             pool_boot_failures: Family::default(),
         };
@@ -379,6 +391,17 @@ impl Metrics {
             m.pool_slots.clone(),
         );
         registry.register(
+            "vq_jobs_requeued",
+            "Jobs the controller returned to their pool queue, by reason (node-lost: their agent's server is gone and the job is rerunnable within loss_limit)",
+            m.jobs_requeued.clone(),
+        );
+        registry.register_with_unit(
+            "vq_job_run_duration",
+            "Run time of finished jobs (the agent's measured wall time), per pool",
+            Unit::Seconds,
+            m.job_run.clone(),
+        );
+        registry.register(
             "vq_cloud_token_expiry_timestamp_seconds",
             "Unix time at which the controller's current Keystone token expires (0 before the first)",
             m.cloud_token_expiry.clone(),
@@ -473,8 +496,28 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a job event heard on the events exchange (ends only).
+    /// Counts a job `pool` returned to its queue for `reason`.
+    pub fn job_requeued(&self, pool: &str, reason: &str) {
+        self.jobs_requeued
+            .get_or_create(&vec![
+                ("pool".into(), pool.to_string()),
+                ("reason".into(), reason.to_string()),
+            ])
+            .inc();
+    }
+
+    /// Counts a job event heard on the events exchange: its end in
+    /// `vq_jobs_ended_total`, and a `finished` event's wall time (whatever
+    /// the outcome, a duplicate report excepted) in
+    /// `vq_job_run_duration_seconds`.
     pub fn job_event(&self, event: &JobEvent) {
+        if let vq_common::messages::JobState::Finished { usage, .. } = &event.state {
+            if event.duplicate.is_none() && usage.wall_secs.is_finite() {
+                self.job_run
+                    .get_or_create(&Self::pool(&event.pool))
+                    .observe(usage.wall_secs.max(0.0));
+            }
+        }
         if let Some((outcome, reason)) = job_end_labels(event) {
             self.jobs_ended
                 .get_or_create(&vec![
@@ -679,6 +722,15 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.matches("vq_jobs_ended_total{").count(), 1, "{text}");
+        // The run time of the finished job, not of the start.
+        assert!(
+            text.contains("vq_job_run_duration_seconds_count{pool=\"cms\"} 1"),
+            "{text}"
+        );
+        m.job_requeued("cms", "node-lost");
+        assert!(m
+            .render()
+            .contains("vq_jobs_requeued_total{pool=\"cms\",reason=\"node-lost\"} 1"));
     }
 
     #[test]

@@ -522,6 +522,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         for e in &out.errors {
             self.refusals.note(e);
         }
+        for (_, pool) in &out.requeued {
+            self.metrics.job_requeued(pool, "node-lost");
+        }
         out.fenced
     }
 }

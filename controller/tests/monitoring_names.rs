@@ -28,6 +28,7 @@ fn served_names() -> BTreeSet<String> {
         &m.boot_active,
         &m.boot_heartbeat,
         &m.drain_handshake,
+        &m.job_run,
     ] {
         h.get_or_create(&cms).observe(1.0);
     }
@@ -48,6 +49,7 @@ fn served_names() -> BTreeSet<String> {
         &m.boot_failures,
         &m.jobs_dead_lettered,
         &m.jobs_ended,
+        &m.jobs_requeued,
     ] {
         c.get_or_create(&cms_and("reason", "x")).inc();
     }

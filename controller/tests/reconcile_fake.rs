@@ -146,12 +146,16 @@ impl BrokerApi for FakeBroker {
             .lock()
             .unwrap()
             .push((agent.to_string(), loss_limit));
+        // This fake knows no job bodies either: each job counts in pool "-".
         let requeued = self
             .leases
             .lock()
             .unwrap()
             .remove(agent)
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .into_iter()
+            .map(|job| (job, "-".to_string()))
+            .collect();
         self.registry.lock().unwrap().retain(|(a, _)| a != agent);
         self.fences.lock().unwrap().retain(|a| a != agent);
         Ok(FenceReport {

@@ -24,8 +24,10 @@ use vq_common::messages::Control;
 use vq_common::topology::Role;
 use vq_tests::harness::{
     broker_url, ensure_test_user, job, require_root, start_agent_in, start_agent_url,
-    start_controller_on_empty_cloud, unique_cluster, wait_agent_up, EventTap, TestBroker, TestUser,
+    start_controller_on_empty_cloud, start_controller_on_empty_cloud_with, unique_cluster,
+    wait_agent_up, EventTap, TestBroker, TestUser,
 };
+use vq_tests::rabbit_node::free_port;
 
 /// Config of every agent here (the harness adds the suite's trust).
 const AGENT_TOML: &str = "slots = 1\n";
@@ -204,9 +206,16 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
     // The controller runs against an empty test cloud (max 0: it boots
     // nothing); the agents are started here, so they are fenced as agents
     // without a server once their heartbeats stop.
-    let controller =
-        start_controller_on_empty_cloud(&broker_url(Role::Controller)?, &cluster, pool, "info")
-            .await?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let controller = start_controller_on_empty_cloud_with(
+        &broker_url(Role::Controller)?,
+        &cluster,
+        pool,
+        "info",
+        &listen,
+        "",
+    )
+    .await?;
     // The controller knows agents without a server only from their
     // heartbeats: let it listen before the first agent starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -290,6 +299,23 @@ async fn the_controller_fences_a_dead_agent_and_returns_its_jobs_by_rerunnable(
         // The fenced agents' lease queues are deleted.
         let gone = broker.queue_len(&broker.topo.lease_queue(a)).await.is_err();
         ensure!(gone, "lease queue of {a} still exists");
+    }
+    // The controller's metrics tell the same story: one job requeued for a
+    // lost node, one run measured, each end counted once.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let metrics = reqwest::get(format!("http://{listen}/metrics"))
+        .await?
+        .text()
+        .await?;
+    for want in [
+        format!("vq_jobs_requeued_total{{pool=\"{pool}\",reason=\"node-lost\"}} 1"),
+        format!("vq_job_run_duration_seconds_count{{pool=\"{pool}\"}} 1"),
+        format!(
+            "vq_jobs_ended_total{{pool=\"{pool}\",outcome=\"finished\",reason=\"exit-zero\"}} 1"
+        ),
+        format!("vq_jobs_ended_total{{pool=\"{pool}\",outcome=\"failed\",reason=\"node-lost\"}} 1"),
+    ] {
+        ensure!(metrics.contains(&want), "no {want} in /metrics:\n{metrics}");
     }
     eprintln!("faults_agent fence: rerunnable job ran again {requeue_secs:.1} s after its agent was killed; non-rerunnable failed: {reason}");
     for name in ["fence-r", "fence-n"] {

@@ -140,7 +140,7 @@ impl Broker {
                     )
                     .await?;
                     tracing::warn!(agent, job_id = %job_id, pool = %pool, losses, "fenced agent's job returned to its pool");
-                    report.requeued.push(job_id);
+                    report.requeued.push((job_id, pool));
                 }
                 LeaseFate::Fail { reason } => {
                     let pool = decoded.as_ref().map(|j| j.pool.clone()).unwrap_or_default();
@@ -283,8 +283,8 @@ impl Broker {
 /// What fencing one agent did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct FenceReport {
-    /// Job ids returned to their pool.
-    pub requeued: Vec<String>,
+    /// Jobs returned to their pool: (job id, pool).
+    pub requeued: Vec<(String, String)>,
     /// Job ids reported failed and dead-lettered.
     pub failed: Vec<String>,
 }
