@@ -337,7 +337,7 @@ mod tests {
         assert!(d.export_all);
         assert_eq!(d.rerunnable, Some(false));
         assert_eq!(d.umask, Some(0o77));
-        assert_eq!(d.resources.len(), 1);
+        assert_eq!(d.mem, Some(1 << 30));
     }
 
     #[test]

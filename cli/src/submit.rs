@@ -140,6 +140,8 @@ pub fn build_job(
         stderr: None,
         join: d.join.unwrap_or_default(),
         walltime: d.walltime,
+        slots: d.slots.unwrap_or(1),
+        mem: d.mem,
         rerunnable: d.rerunnable.unwrap_or(true),
         umask: d.umask,
         submit_host: ctx.host.clone(),

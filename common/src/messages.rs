@@ -111,6 +111,17 @@ pub struct Job {
     /// the agent's `default_walltime`.
     #[serde(default)]
     pub walltime: Option<u64>,
+    /// Job slots (cores) it takes on one VM (PBS `-l nodes=1:ppn=N`,
+    /// `-l ncpus=N`, `-l select=1:ncpus=N`), at least 1; a message without
+    /// the field (older writers) takes 1. Exported as `PBS_NP` and
+    /// `PBS_NUM_PPN`; an agent with fewer slots refuses the job.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub slots: u32,
+    /// Memory limit, bytes (PBS `-l mem=`); `None` means no limit beyond
+    /// the VM's. Enforced as the job cgroup's `memory.max` where cgroups
+    /// are delegated; an agent with less memory refuses the job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem: Option<u64>,
     /// Whether the job may be run again after a node loss (PBS `-r y|n`).
     #[serde(default = "default_true")]
     pub rerunnable: bool,
@@ -128,6 +139,14 @@ pub struct Job {
 
 fn default_true() -> bool {
     true
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 impl Job {
@@ -275,7 +294,7 @@ impl JobState {
 /// What a queued job asks for: the fields of its [`Job`] that `vq stat -f`
 /// shows, without the script and the environment (which may hold
 /// secrets and do not belong in the retained event stream).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct JobRequest {
     /// [`Job::group`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -298,6 +317,12 @@ pub struct JobRequest {
     /// [`Job::walltime`], seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub walltime: Option<u64>,
+    /// [`Job::slots`]: 1 when absent.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub slots: u32,
+    /// [`Job::mem`], bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem: Option<u64>,
     /// [`Job::rerunnable`].
     #[serde(default)]
     pub rerunnable: bool,
@@ -307,6 +332,26 @@ pub struct JobRequest {
     /// [`Job::submitted_at`], Unix seconds.
     #[serde(default)]
     pub submitted_at: u64,
+}
+
+impl Default for JobRequest {
+    /// Nothing given: 1 slot, no memory limit, not rerunnable.
+    fn default() -> Self {
+        JobRequest {
+            group: None,
+            shell: None,
+            workdir: None,
+            stdout: None,
+            stderr: None,
+            join: Join::default(),
+            walltime: None,
+            slots: 1,
+            mem: None,
+            rerunnable: false,
+            submit_host: String::new(),
+            submitted_at: 0,
+        }
+    }
 }
 
 impl JobRequest {
@@ -320,6 +365,8 @@ impl JobRequest {
             stderr: job.stderr.clone(),
             join: job.join,
             walltime: job.walltime,
+            slots: job.slots,
+            mem: job.mem,
             rerunnable: job.rerunnable,
             submit_host: job.submit_host.clone(),
             submitted_at: job.submitted_at,

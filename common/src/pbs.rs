@@ -33,6 +33,14 @@ pub const MAX_JOB_NAME_LEN: usize = 236;
 /// overflow-free.
 pub const MAX_WALLTIME_SECS: u64 = 100 * 365 * 24 * 3600;
 
+/// Largest accepted slot request (`ppn`, `ncpus`): larger values are typos
+/// (no VM flavor has more cores).
+pub const MAX_SLOTS: u32 = 4096;
+
+/// Bytes in a word of Torque's `size` format (`w`, `kw`, …): the execution
+/// host's word size, 8 bytes on the 64-bit hosts vq runs on.
+pub const WORD_BYTES: u64 = 8;
+
 /// A problem in a walltime, a directive or a command-line option.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PbsError {
@@ -71,6 +79,15 @@ pub enum PbsError {
     UnexpectedArgument {
         /// The word.
         word: String,
+    },
+    /// A `-l` resource request vq cannot honour or parse (`nodes=2`, a
+    /// multi-chunk `select`, a bad size).
+    #[error("invalid resource request {value:?}: {reason}")]
+    Resource {
+        /// The resource as written, e.g. `nodes=2:ppn=4`.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
     },
     /// A quote is not closed before the end of the line.
     #[error("unterminated {quote} quote")]
@@ -167,6 +184,12 @@ pub struct Directives {
     pub join: Option<Join>,
     /// `-l walltime=`: walltime limit, seconds.
     pub walltime: Option<u64>,
+    /// `-l nodes=1:ppn=N`, `-l ncpus=N`, `-l select=1:ncpus=N`: job slots
+    /// (cores) on one VM, `1..=MAX_SLOTS`. The last one given wins.
+    pub slots: Option<u32>,
+    /// `-l mem=M` or `-l select=1:mem=M`: memory limit, bytes (Torque's
+    /// `size` format, [`parse_size`]).
+    pub mem: Option<u64>,
     /// Other `-l` resources, in order (kept for information, not enforced).
     pub resources: Vec<Resource>,
     /// `-v`: variables in order; a later entry for the same name wins.
@@ -290,6 +313,8 @@ impl Directives {
             stderr: cli.stderr.or(self.stderr),
             join: cli.join.or(self.join),
             walltime: cli.walltime.or(self.walltime),
+            slots: cli.slots.or(self.slots),
+            mem: cli.mem.or(self.mem),
             resources,
             vars,
             export_all: cli.export_all || self.export_all,
@@ -342,13 +367,37 @@ impl Directives {
             if name.is_empty() {
                 return Err(PbsError::invalid('l', value, "resource without a name"));
             }
-            if name == "walltime" {
-                self.walltime = Some(parse_walltime(val)?);
-                continue;
+            match name {
+                "walltime" => {
+                    self.walltime = Some(parse_walltime(val)?);
+                    continue;
+                }
+                "nodes" => {
+                    self.slots = Some(parse_nodes(val)?);
+                    continue;
+                }
+                "ncpus" => {
+                    self.slots = Some(parse_slots(name, val)?);
+                    continue;
+                }
+                "mem" => {
+                    self.mem = Some(parse_size(val).map_err(|reason| PbsError::Resource {
+                        value: item.to_string(),
+                        reason,
+                    })?);
+                    continue;
+                }
+                "select" => {
+                    let (slots, mem) = parse_select(val)?;
+                    self.slots = slots.or(self.slots);
+                    self.mem = mem.or(self.mem);
+                    continue;
+                }
+                _ => {}
             }
             self.warn(
                 line,
-                format!("-l {name}: kept but not enforced (vq enforces only walltime)"),
+                format!("-l {name}: kept but not enforced (vq enforces walltime, nodes=1:ppn, ncpus, mem and select=1)"),
             );
             self.resources.retain(|r| r.name != name);
             self.resources.push(Resource {
@@ -671,6 +720,152 @@ pub fn parse_walltime(value: &str) -> Result<u64, PbsError> {
         return Err(bad("longer than 100 years"));
     }
     Ok(total)
+}
+
+/// Parses Torque's `size` format (`pbs_resources(7)`, "size"):
+/// `integer[suffix]` where the suffix is `b` (bytes, the default) or `w`
+/// (words of [`WORD_BYTES`]), optionally prefixed by `k`, `m`, `g`, `t`
+/// (powers of 1024: Torque's multipliers are binary), case-insensitive.
+/// Returns bytes, at least 1.
+///
+/// # Errors
+/// A sentence saying what is wrong (empty, not a number, unknown suffix,
+/// zero, overflow).
+pub fn parse_size(value: &str) -> Result<u64, String> {
+    let lower = value.to_ascii_lowercase();
+    let digits_end = lower
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(lower.len());
+    let (num, suffix) = lower.split_at(digits_end);
+    if num.is_empty() {
+        return Err(format!(
+            "size {value:?} does not start with a number (expected e.g. 512mb, 4gb)"
+        ));
+    }
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("size {value:?} is too large"))?;
+    let (scale, unit) = match suffix {
+        "" | "b" => (1, 1),
+        "w" => (1, WORD_BYTES),
+        _ => {
+            let mut cs = suffix.chars();
+            let prefix = cs.next();
+            let unit = match cs.as_str() {
+                "b" => 1,
+                "w" => WORD_BYTES,
+                _ => 0,
+            };
+            let scale: u64 = match prefix {
+                Some('k') => 1 << 10,
+                Some('m') => 1 << 20,
+                Some('g') => 1 << 30,
+                Some('t') => 1 << 40,
+                _ => 0,
+            };
+            if unit == 0 || scale == 0 {
+                return Err(format!(
+                    "size {value:?} has an unknown suffix {suffix:?} (expected b, kb, mb, gb, tb, or w, kw, mw, gw, tw)"
+                ));
+            }
+            (scale, unit)
+        }
+    };
+    let bytes = n
+        .checked_mul(scale)
+        .and_then(|v| v.checked_mul(unit))
+        .ok_or_else(|| format!("size {value:?} is too large"))?;
+    if bytes == 0 {
+        return Err(format!("size {value:?} is zero"));
+    }
+    Ok(bytes)
+}
+
+/// Parses a slot count (`ppn`, `ncpus`): `1..=MAX_SLOTS`.
+fn parse_slots(name: &str, value: &str) -> Result<u32, PbsError> {
+    let bad = |reason: String| PbsError::Resource {
+        value: format!("{name}={value}"),
+        reason,
+    };
+    let n: u32 = value
+        .parse()
+        .map_err(|_| bad(format!("{name} is a whole number of cores, e.g. {name}=4")))?;
+    if n == 0 || n > MAX_SLOTS {
+        return Err(bad(format!("{name} must be between 1 and {MAX_SLOTS}")));
+    }
+    Ok(n)
+}
+
+/// Parses Torque's `nodes={N|host}[:ppn=P][:property…]` (`qsub(1)`,
+/// `-l nodes`): vq runs a job on one VM, so `N` must be 1 (a host name or
+/// property is ignored: the pool chooses the VM) and `+` (several node
+/// specs) is refused. Returns the slots, `ppn` (default 1).
+fn parse_nodes(value: &str) -> Result<u32, PbsError> {
+    let whole = format!("nodes={value}");
+    let bad = |reason: &str| PbsError::Resource {
+        value: whole.clone(),
+        reason: reason.to_string(),
+    };
+    if value.contains('+') {
+        return Err(bad(
+            "several node specifications: vq runs a job on one VM (use nodes=1:ppn=N)",
+        ));
+    }
+    let mut parts = value.split(':');
+    let first = parts.next().unwrap_or("");
+    if first.is_empty() {
+        return Err(bad("expected nodes=1[:ppn=N]"));
+    }
+    if first.bytes().all(|b| b.is_ascii_digit()) && first != "1" {
+        return Err(bad(
+            "more than one node: vq runs a job on one VM (use nodes=1:ppn=N)",
+        ));
+    }
+    let mut slots = 1;
+    for p in parts {
+        if let Some(ppn) = p.strip_prefix("ppn=") {
+            slots = parse_slots("ppn", ppn)?;
+        }
+    }
+    Ok(slots)
+}
+
+/// Parses PBS Pro's `select=[N:]chunk` where `chunk` is
+/// `res=value[:res=value…]` (`pbs_resources(7B)`): one chunk on one VM, so
+/// `N` must be 1 and `+` (several chunks) is refused. Returns the
+/// `ncpus` and `mem` of the chunk (other chunk resources are ignored).
+fn parse_select(value: &str) -> Result<(Option<u32>, Option<u64>), PbsError> {
+    let whole = format!("select={value}");
+    let bad = |reason: String| PbsError::Resource {
+        value: whole.clone(),
+        reason,
+    };
+    if value.contains('+') {
+        return Err(bad(
+            "several chunks: vq runs a job on one VM (use select=1:ncpus=N:mem=M)".into(),
+        ));
+    }
+    let mut parts = value.split(':').peekable();
+    if let Some(first) = parts.peek().copied() {
+        if !first.contains('=') {
+            if first != "1" {
+                return Err(bad(
+                    "more than one chunk: vq runs a job on one VM (use select=1:ncpus=N)".into(),
+                ));
+            }
+            parts.next();
+        }
+    }
+    let (mut slots, mut mem) = (None, None);
+    for p in parts {
+        match p.split_once('=') {
+            Some(("ncpus", n)) => slots = Some(parse_slots("ncpus", n)?),
+            Some(("mem", m)) => mem = Some(parse_size(m).map_err(bad)?),
+            Some(_) => {}
+            None => return Err(bad(format!("{p:?} is not res=value"))),
+        }
+    }
+    Ok((slots, mem))
 }
 
 /// Formats seconds as Torque prints walltimes: `HH:MM:SS` (hours may exceed

@@ -71,6 +71,7 @@ kill_grace_secs = true
 default_umask = "022"
 job_path = ["/bin"]
 state_dir = 4
+nodefile_dir = 4
 max_script_bytes = "big"
 deny_groups = 5
 allow_groups = [true]
@@ -113,6 +114,7 @@ requeuers = 9
         "default_umask",
         "job_path",
         "state_dir",
+        "nodefile_dir",
         "max_script_bytes",
         "deny_groups",
         "allow_groups[0]",

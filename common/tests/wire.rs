@@ -32,6 +32,10 @@ fn every_fixture_survives_a_round_trip() {
     let job: Job = round_trip("job.json");
     assert_eq!(job.owner, "alice");
     assert_eq!(job.walltime, Some(86_400));
+    // A message without `slots` (older writers) takes one slot.
+    assert_eq!((job.slots, job.mem), (1, None));
+    let wide: Job = round_trip("job-slots.json");
+    assert_eq!((wide.slots, wide.mem), (4, Some(4 << 30)));
     round_trip::<JobEvent>("job-event-started.json");
     let ev: JobEvent = round_trip("job-event-finished.json");
     assert_eq!(ev.state.routing_word(), "finished");
@@ -45,6 +49,17 @@ fn every_fixture_survives_a_round_trip() {
     assert!(dup.duplicate.is_some());
     let queued: JobEvent = round_trip("job-event-queued.json");
     assert_eq!(queued.state.routing_word(), "queued");
+    match &queued.state {
+        JobState::Queued { request } => assert_eq!((request.slots, request.mem), (1, None)),
+        other => panic!("{other:?}"),
+    }
+    let wide: JobEvent = round_trip("job-event-queued-slots.json");
+    match &wide.state {
+        JobState::Queued { request } => {
+            assert_eq!((request.slots, request.mem), (4, Some(4 << 30)))
+        }
+        other => panic!("{other:?}"),
+    }
     round_trip::<Heartbeat>("heartbeat.json");
     round_trip::<Demand>("demand.json");
     round_trip::<Control>("control-ask-delete.json");

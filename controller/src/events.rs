@@ -92,6 +92,7 @@ impl Shared {
                 .listening_since
                 .map(|t| now.saturating_duration_since(t).as_secs_f64())
                 .unwrap_or(0.0),
+            job_slots: None,
         }
     }
 }
@@ -106,6 +107,9 @@ pub struct EventSnapshot {
     /// Seconds the event consumer has run without interruption (0 if it
     /// does not run).
     pub listening_secs: f64,
+    /// Per pool, the queued and running jobs' slots from the job table;
+    /// `None` while the table is not complete (then demand counts jobs).
+    pub job_slots: Option<BTreeMap<String, crate::jobs::slots::PoolSlots>>,
 }
 
 /// Remembers that ask-delete `request_id` goes to `agent`, so that only

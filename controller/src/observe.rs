@@ -118,6 +118,12 @@ pub struct Observed {
     pub queued: u64,
     /// Jobs running: max of the heartbeats' sum and the bridges' demand.
     pub running: u64,
+    /// Slots the waiting jobs ask for: the job table's queued jobs' slots,
+    /// plus 1 per queue message the table does not know of (the queue
+    /// depth is a floor at 1 slot per message); at least `queued`.
+    pub queued_slots: u64,
+    /// Slots of the running jobs: the job table's, at least `running`.
+    pub running_slots: u64,
     /// Instances the quota still allows (shared by all pools); `None` =
     /// unlimited.
     pub quota_remaining: Option<u32>,
@@ -136,6 +142,9 @@ pub struct Observed {
     /// Servers this controller created that no listing of the pool has
     /// shown yet: they count as booting (see [`CreatedWatch`]).
     pub unlisted_created: u32,
+    /// The pool's configured `slots` per VM (0: not known), to tell agents
+    /// whose heartbeat says otherwise (`/status` `slots_mismatch`).
+    pub configured_slots: u32,
     /// What the pool's boot-failure backoff and circuit breaker let it
     /// boot ([`crate::breaker`]); set by the loop after observing.
     pub boot_gate: BootGate,
@@ -188,6 +197,10 @@ pub struct PoolInputs<'a> {
     pub unlisted_created: u32,
     /// See [`Observed::boot_obstacle`].
     pub boot_obstacle: Option<&'a str>,
+    /// The pool's slots from the job table (`None`: not known).
+    pub job_slots: Option<crate::jobs::slots::PoolSlots>,
+    /// See [`Observed::configured_slots`].
+    pub configured_slots: u32,
     /// The cycle's clock.
     pub clock: Clock,
 }
@@ -250,13 +263,34 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         servers,
         queued: queue_depth.max(d_queued),
         running: heartbeat_running.max(d_running),
+        queued_slots: slot_demand(queue_depth.max(d_queued), input.job_slots).0,
+        running_slots: slot_demand(queue_depth.max(d_queued), input.job_slots)
+            .1
+            .max(heartbeat_running.max(d_running)),
         quota_remaining,
         listening_secs: clock.listening_secs,
         since_scale_down_secs: input.since_scale_down_secs,
         since_boot_failure_secs: input.since_boot_failure_secs,
         boot_obstacle: input.boot_obstacle.map(str::to_string),
         unlisted_created: input.unlisted_created,
+        configured_slots: input.configured_slots,
         boot_gate: BootGate::Open,
+    }
+}
+
+/// `(queued slots, running slots)` from `queued` jobs (queue depth or
+/// bridge demand) and the job table's `table` view of the pool: the
+/// table's queued slots plus 1 per queued job it does not know of, at
+/// least `queued`; the table's running slots. Pure.
+pub fn slot_demand(queued: u64, table: Option<crate::jobs::slots::PoolSlots>) -> (u64, u64) {
+    match table {
+        None => (queued, 0),
+        Some(t) => (
+            t.queued_slots
+                .saturating_add(queued.saturating_sub(t.queued_jobs))
+                .max(queued),
+            t.running_slots,
+        ),
     }
 }
 
@@ -366,6 +400,9 @@ pub struct PoolMemory {
     pub last_boot_failure: BTreeMap<String, Instant>,
     /// The servers created that no listing has shown yet.
     pub created_watch: CreatedWatch,
+    /// Agents whose heartbeat's slots differ from their pool's `slots`,
+    /// with the slots already warned about (a warning once per change).
+    pub slots_warned: BTreeMap<String, u32>,
 }
 
 /// The part of a cycle's observation every pool shares, read once.
@@ -550,6 +587,24 @@ pub async fn observe_pool<B: BrokerApi>(
         memory
             .created_watch
             .listed(pool, listed, pool_cfg.boot_timeout_secs, now);
+    for s in world.servers.iter().filter(|s| owned_by(s, cluster, pool)) {
+        let Some((hb, _)) = world
+            .events
+            .agents
+            .get(&s.name)
+            .and_then(|r| r.heartbeat.as_ref())
+        else {
+            continue;
+        };
+        if hb.slots != pool_cfg.slots {
+            if memory.slots_warned.insert(s.name.clone(), hb.slots) != Some(hb.slots) {
+                tracing::warn!(pool, agent = %s.name, agent_slots = hb.slots, pool_slots = pool_cfg.slots,
+                    "agent heartbeats other slots than its pool's configured slots: the controller plans with the pool's, the agent runs with its own (fix the pool's slots or the agent's config)");
+            }
+        } else {
+            memory.slots_warned.remove(&s.name);
+        }
+    }
     Ok(assemble(&PoolInputs {
         cluster,
         pool,
@@ -562,6 +617,12 @@ pub async fn observe_pool<B: BrokerApi>(
         since_boot_failure_secs: since(&memory.last_boot_failure),
         unlisted_created,
         boot_obstacle: boot_obstacle.as_deref(),
+        job_slots: world
+            .events
+            .job_slots
+            .as_ref()
+            .map(|m| m.get(pool).copied().unwrap_or_default()),
+        configured_slots: pool_cfg.slots,
         clock: world.clock,
     }))
 }
@@ -594,6 +655,8 @@ mod tests {
             since_boot_failure_secs: None,
             unlisted_created: 0,
             boot_obstacle: None,
+            job_slots: None,
+            configured_slots: 0,
             clock,
         }
     }
@@ -794,6 +857,8 @@ mod tests {
                 since_boot_failure_secs: None,
                 unlisted_created: 0,
                 boot_obstacle: None,
+                job_slots: None,
+                configured_slots: 0,
                 clock: Clock {
                     now: Instant::now(),
                     unix_now: 100.0,

@@ -415,6 +415,8 @@ mod tests {
                     status: "ACTIVE".into(),
                     agent_state: "busy".into(),
                     running: 2,
+                    slots: Some(2),
+                    slots_mismatch: false,
                     age_secs: Some(192),
                     heartbeat_age_secs: Some(4),
                 }],

@@ -203,6 +203,13 @@ pub struct ServerStatus {
     pub agent_state: String,
     /// Jobs the agent reported running.
     pub running: u32,
+    /// Job slots its last heartbeat reported (`null`: no heartbeat).
+    #[serde(default)]
+    pub slots: Option<u32>,
+    /// Whether those slots differ from the pool's configured `slots` (the
+    /// controller plans with the pool's; the agent runs with its own).
+    #[serde(default)]
+    pub slots_mismatch: bool,
     /// Whole seconds since Nova created the server, as of the pool's
     /// `observed_at` (`null` if Nova did not say).
     #[serde(default)]
@@ -302,6 +309,10 @@ pub fn publish(
             },
             agent_state: c.agent_state().into(),
             running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
+            slots: s.agent.as_ref().map(|a| a.slots),
+            slots_mismatch: s.agent.as_ref().is_some_and(|a| {
+                observed.configured_slots != 0 && a.slots != observed.configured_slots
+            }),
             age_secs: s.age_secs.map(|a| a.max(0.0) as u64),
             heartbeat_age_secs: s
                 .agent
@@ -742,6 +753,58 @@ mod tests {
         publish(&status, &m, Instant::now(), "cms", &o, &p);
         show_success(&status, "cms");
         assert_eq!(status.read().unwrap().pools["cms"].last_error, None);
+    }
+
+    #[test]
+    fn an_agent_heartbeating_other_slots_than_its_pool_is_shown_as_a_mismatch() {
+        use crate::observe::{AgentSeen, ObservedServer};
+        use vq_common::messages::AgentState;
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let seen = |slots| AgentSeen {
+            heartbeat_age_secs: 1.0,
+            state: AgentState::Idle,
+            running: 0,
+            slots,
+            is_del: false,
+            idle_secs: 0.0,
+            answer: None,
+        };
+        let server = |name: &str, slots| ObservedServer {
+            id: format!("id-{name}"),
+            name: name.into(),
+            status: NovaStatus::Active,
+            age_secs: Some(10.0),
+            agent: Some(seen(slots)),
+        };
+        let o = Observed {
+            pool: "cms".into(),
+            servers: vec![server("a", 2), server("b", 4)],
+            configured_slots: 4,
+            ..Default::default()
+        };
+        let p = Plan {
+            target: 2,
+            active: 2,
+            booting: 0,
+            classes: vec![Class::Idle, Class::Idle],
+            actions: vec![],
+            held: vec![],
+            limited: None,
+        };
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        let report = status.read().unwrap();
+        let servers = &report.pools["cms"].servers;
+        assert_eq!(
+            (servers[0].slots, servers[0].slots_mismatch),
+            (Some(2), true)
+        );
+        assert_eq!(
+            (servers[1].slots, servers[1].slots_mismatch),
+            (Some(4), false)
+        );
+        let json = serde_json::to_value(&report.pools["cms"]).unwrap();
+        assert_eq!(json["servers"][0]["slots_mismatch"], true);
     }
 
     #[test]

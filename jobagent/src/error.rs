@@ -28,6 +28,17 @@ pub enum Rejection {
         /// What is wrong.
         problem: String,
     },
+    /// The job asks for more slots or memory than this VM has (one VM per
+    /// job: it can never run here).
+    #[error("job asks for {asked}, more than this VM has ({have}): it cannot run in this pool")]
+    TooLarge {
+        /// `slots` or `memory`.
+        what: &'static str,
+        /// What the job asked for.
+        asked: String,
+        /// What the VM has.
+        have: String,
+    },
     /// The script is larger than the configured limit.
     #[error("job script is {size} bytes, larger than max_script_bytes {limit}")]
     ScriptTooLarge {

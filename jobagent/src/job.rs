@@ -430,16 +430,44 @@ async fn release_lease(ctx: &Ctx, key: &str, claim: &str, owned: Option<&Owned>)
 /// Runs a claimed (owned) job, reports it and releases it.
 async fn run_and_release(ctx: &Arc<Ctx>, t: Ticket, plan: LaunchPlan) {
     let attempt = t.losses.saturating_add(1);
+    // A job of several slots that does not fit beside the running ones
+    // waits here, claimed (leased, marked, acked: its delivery is neither
+    // held nor requeued), until they end; the agent pulls nothing
+    // meanwhile, so its slots do come free (DESIGN.md, "The jobagent").
+    if ctx.shared.is_waiting(&t.key) && !ctx.shared.try_start(&t.key) {
+        info!(
+            slots = t.job.slots,
+            agent_slots = ctx.shared.slots(),
+            "job waits for its slots"
+        );
+        tokio::select! {
+            _ = ctx.shared.wait_for_slots(&t.key) => {}
+            _ = t.cancel.cancelled() => {}
+        }
+    }
+    if t.cancel.is_cancelled() && ctx.shared.is_waiting(&t.key) {
+        // Cancelled (or the agent shuts down) before it started: it never
+        // ran. Reported like a job cancelled at its start.
+        info!("stopped while waiting for slots: not run");
+        finish(ctx, t, Outcome::Cancelled, Usage::default()).await;
+        return;
+    }
     let started_event = t.event(ctx, JobState::Started);
     // Published while the job runs: a broker outage must not delay the job.
     let started_pub = {
         let reporter = ctx.reporter.clone();
         tokio::spawn(async move { reporter.started(&started_event).await }.in_current_span())
     };
-    info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), attempt, "job starting");
+    info!(owner = %plan.owner, uid = plan.uid, walltime_secs = plan.walltime.as_secs(), slots = t.job.slots, attempt, "job starting");
     let (outcome, usage) = execute(ctx, &t.key, &plan, t.cancel.clone()).await;
     info!(outcome = ?outcome, exit_status = outcome.exit_status(), wall_secs = usage.wall_secs, "job ended");
     let _ = started_pub.await;
+    finish(ctx, t, outcome, usage).await;
+}
+
+/// Reports the end of a claimed job (or keeps its lease when the agent's
+/// shutdown stopped a rerunnable one) and releases it.
+async fn finish(ctx: &Arc<Ctx>, t: Ticket, outcome: Outcome, usage: Usage) {
     let owned = ctx.shared.owned(&t.key);
     if ctx.shared.take_interrupted(&t.key) {
         if t.job.rerunnable {
@@ -675,7 +703,7 @@ async fn rerun_leftover(
         losses,
         ack_confirmed: false,
     };
-    let Some(cancel) = ctx.shared.claim_recovered(key, claim, owned) else {
+    let Some(cancel) = ctx.shared.claim_recovered(key, claim, owned, job.slots) else {
         return Ok(());
     };
     info!(

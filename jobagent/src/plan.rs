@@ -69,6 +69,26 @@ pub struct LaunchPlan {
     /// The agent's state directory (records of running jobs live in
     /// `<state_dir>/running`).
     pub state_dir: PathBuf,
+    /// Slots the job takes (`PBS_NP`), 1..=the agent's slots.
+    pub slots: u32,
+    /// `PBS_NODEFILE`: `<nodefile_dir>/<job id>`, written by the
+    /// agent (root) before the job starts with `slots` lines of the host
+    /// name, mode 0644, removed after the job ([`crate::supervise`]).
+    pub nodefile: PathBuf,
+    /// `memory.max` the job asked for (`-l mem`), bytes (0 = none): applied
+    /// where the memory controller is delegated, skipped elsewhere (unlike
+    /// [`LaunchPlan::memory_max_bytes`], the site's hard limit).
+    pub requested_memory_bytes: u64,
+    /// `cpu.max` quota from the job's slots (`slots` CPUs per
+    /// [`CPU_PERIOD_US`]), microseconds: applied where the cpu controller
+    /// is delegated, skipped elsewhere.
+    pub requested_cpu_quota_us: u64,
+}
+
+/// The `PBS_NODEFILE` path of job `id` in `nodefile_dir` (the agent's
+/// `nodefile_dir`; job ids are checked labels: no `/`, no leading `.`).
+pub fn nodefile_path(nodefile_dir: &std::path::Path, id: &str) -> PathBuf {
+    nodefile_dir.join(id)
 }
 
 /// The `cpu.max` period used for [`LaunchPlan::cpu_quota_us`], microseconds.
@@ -127,6 +147,7 @@ pub fn plan_job(
     }
     check_token("id", &job.id)?;
     check_token("name", &job.name)?;
+    check_resources(job, cfg, sys.memory_bytes())?;
     if job.script.len() > cfg.max_script_bytes {
         return Err(Rejection::ScriptTooLarge {
             size: job.script.len(),
@@ -296,7 +317,43 @@ pub fn plan_job(
         cpu_quota_us: (cfg.job_cpu_max * CPU_PERIOD_US as f64).round() as u64,
         pids_max: cfg.job_pids_max,
         state_dir: cfg.state_dir.clone(),
+        slots: job.slots,
+        nodefile: nodefile_path(&cfg.nodefile_dir, &job.id),
+        requested_memory_bytes: job.mem.unwrap_or(0),
+        requested_cpu_quota_us: u64::from(job.slots) * CPU_PERIOD_US,
     })
+}
+
+/// Refuses a job that asks for more than this VM has: more slots than the
+/// agent's `slots`, or more memory (`-l mem`) than the VM's `memory`
+/// bytes (`MemTotal`; `None` when unknown: not checked).
+///
+/// # Errors
+/// [`Rejection::TooLarge`].
+pub fn check_resources(job: &Job, cfg: &AgentConfig, memory: Option<u64>) -> Result<(), Rejection> {
+    if job.slots == 0 {
+        return Err(Rejection::BadField {
+            field: "slots",
+            problem: "must be at least 1".into(),
+        });
+    }
+    if job.slots > cfg.slots {
+        return Err(Rejection::TooLarge {
+            what: "slots",
+            asked: format!("{} slots (ppn/ncpus)", job.slots),
+            have: format!("{} slots", cfg.slots),
+        });
+    }
+    if let (Some(mem), Some(total)) = (job.mem, memory) {
+        if mem > total {
+            return Err(Rejection::TooLarge {
+                what: "memory",
+                asked: format!("mem={mem} bytes"),
+                have: format!("{total} bytes of memory"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// [`plan_job`] on a blocking thread, so that owner and group lookups
@@ -416,6 +473,10 @@ pub fn job_environment(
         }
         env.insert(k.clone(), v.clone());
     }
+    let np = job.slots.to_string();
+    let nodefile = nodefile_path(&cfg.nodefile_dir, &job.id)
+        .to_string_lossy()
+        .into_owned();
     let fixed = [
         ("PBS_JOBID", job.id.as_str()),
         ("PBS_JOBNAME", job.name.as_str()),
@@ -424,6 +485,10 @@ pub fn job_environment(
         ("PBS_O_QUEUE", job.pool.as_str()),
         ("PBS_O_HOST", job.submit_host.as_str()),
         ("PBS_ENVIRONMENT", "PBS_BATCH"),
+        ("PBS_NP", np.as_str()),
+        ("PBS_NUM_PPN", np.as_str()),
+        ("PBS_NUM_NODES", "1"),
+        ("PBS_NODEFILE", nodefile.as_str()),
         ("HOME", home),
         ("USER", user),
         ("LOGNAME", user),
@@ -518,7 +583,11 @@ mod tests {
         assert_eq!(env["PBS_O_WORKDIR"], "/home/alice");
         assert_eq!(env["PBS_ENVIRONMENT"], "PBS_BATCH");
         assert_eq!(env["USER"], "alice");
-        assert_eq!(env.len(), 13);
+        assert_eq!(
+            env.len(),
+            17,
+            "13 + PBS_NP, PBS_NUM_PPN, PBS_NUM_NODES, PBS_NODEFILE"
+        );
     }
 
     #[test]
@@ -866,5 +935,59 @@ mod tests {
             return;
         }
         panic!("getent stayed busy (ETXTBSY)");
+    }
+
+    #[test]
+    fn a_job_of_n_slots_gets_pbs_np_and_a_nodefile_and_its_cgroup_request() {
+        let mut c = cfg();
+        c.slots = 4;
+        let mut j = job("alice");
+        j.slots = 3;
+        j.mem = Some(1 << 30);
+        let plan = plan_job(&j, Some("alice"), &c, &sys()).unwrap();
+        let env: BTreeMap<_, _> = plan.env.iter().cloned().collect();
+        assert_eq!(env["PBS_NP"], "3");
+        assert_eq!(env["PBS_NUM_PPN"], "3");
+        assert_eq!(env["PBS_NUM_NODES"], "1");
+        let nodefile = c.nodefile_dir.join("42-x");
+        assert_eq!(env["PBS_NODEFILE"], nodefile.to_str().unwrap());
+        assert_eq!(plan.nodefile, nodefile);
+        assert_eq!(plan.slots, 3);
+        assert_eq!(plan.requested_memory_bytes, 1 << 30);
+        assert_eq!(plan.requested_cpu_quota_us, 3 * CPU_PERIOD_US);
+        // A job without the field takes one slot.
+        let plan = plan_job(&job("alice"), Some("alice"), &c, &sys()).unwrap();
+        let env: BTreeMap<_, _> = plan.env.iter().cloned().collect();
+        assert_eq!(env["PBS_NP"], "1");
+        assert_eq!(plan.requested_memory_bytes, 0);
+    }
+
+    #[test]
+    fn a_job_larger_than_the_vm_is_refused_with_what_it_asked_and_what_there_is() {
+        let mut c = cfg();
+        c.slots = 2;
+        let mut j = job("alice");
+        j.slots = 4;
+        let e = plan_job(&j, Some("alice"), &c, &sys()).unwrap_err();
+        assert!(
+            matches!(e, Rejection::TooLarge { what: "slots", .. }),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "job asks for 4 slots (ppn/ncpus), more than this VM has (2 slots): it cannot run in this pool"
+        );
+        let mut j = job("alice");
+        j.mem = Some(8 << 30);
+        let e = check_resources(&j, &c, Some(4 << 30)).unwrap_err();
+        assert!(e.to_string().contains("mem=8589934592 bytes"), "{e}");
+        assert!(
+            check_resources(&j, &c, None).is_ok(),
+            "unknown memory: not checked"
+        );
+        assert_eq!(
+            crate::sys::meminfo_total("MemTotal:       16318504 kB\nMemFree: 1 kB\n"),
+            Some(16_318_504 * 1024)
+        );
     }
 }

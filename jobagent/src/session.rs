@@ -330,15 +330,30 @@ async fn run_session(
                     // Cancel before the claim can ack: with prefetch = free
                     // slots nothing else is in flight, so a full agent
                     // requeues nothing (requeues count towards the pool
-                    // queue's delivery limit).
+                    // queue's delivery limit). A job of several slots can
+                    // fill the agent while the broker has already sent
+                    // more of the prefetch: those (and only those: none
+                    // come after cancel-ok) are claimed too and wait for
+                    // slots (`Shared::wait_for_slots`), not requeued.
+                    let mut tasks: Vec<_> = task.into_iter().collect();
                     let stopped = match consumer.take() {
-                        Some(c) if ctx.shared.is_full() => stop_consumer(ctx, &jobs_ch, c).await,
+                        Some(c) if ctx.shared.is_full() => {
+                            match stop_consumer_keeping(ctx, &jobs_ch, c).await {
+                                Ok(buffered) => {
+                                    for d in buffered {
+                                        tasks.extend(dispatch(ctx, d, &jobs_ch).await);
+                                    }
+                                    Ok(())
+                                }
+                                Err(e) => Err(e),
+                            }
+                        }
                         other => {
                             consumer = other;
                             Ok(())
                         }
                     };
-                    if let Some(t) = task {
+                    for t in tasks {
                         tokio::spawn(t);
                     }
                     stopped?;
@@ -578,7 +593,21 @@ async fn start_consumer(ctx: &Ctx, ch: &Channel, free: usize) -> Result<Consumer
 
 /// Cancels the pool consumer, waits for `basic.cancel-ok`, and returns every
 /// delivery that arrived but was not claimed to the queue.
-async fn stop_consumer(ctx: &Ctx, ch: &Channel, mut consumer: Consumer) -> Result<(), AgentError> {
+async fn stop_consumer(ctx: &Ctx, ch: &Channel, consumer: Consumer) -> Result<(), AgentError> {
+    for d in stop_consumer_keeping(ctx, ch, consumer).await? {
+        requeue(&d).await;
+    }
+    Ok(())
+}
+
+/// Cancels the pool consumer, waits for `basic.cancel-ok`, and returns the
+/// deliveries that arrived but were not claimed (the caller claims or
+/// requeues them; none arrive after cancel-ok).
+async fn stop_consumer_keeping(
+    ctx: &Ctx,
+    ch: &Channel,
+    mut consumer: Consumer,
+) -> Result<Vec<Delivery>, AgentError> {
     bounded("cancel pool consumer", OP_TIMEOUT, async {
         ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
             .await
@@ -586,12 +615,13 @@ async fn stop_consumer(ctx: &Ctx, ch: &Channel, mut consumer: Consumer) -> Resul
     })
     .await?;
     // After cancel-ok the stream yields what was buffered, then ends.
+    let mut buffered = Vec::new();
     while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(2), consumer.next()).await
     {
-        requeue(&d).await;
+        buffered.push(d);
     }
     info!(pool = %ctx.cfg.pool, "stopped pulling jobs");
-    Ok(())
+    Ok(buffered)
 }
 
 async fn requeue(d: &Delivery) {
@@ -620,7 +650,8 @@ async fn dispatch(
 ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
     let decoded = Job::decode(&delivery.data);
     let key = envelope::delivery_key(decoded.as_ref().ok(), &delivery.properties);
-    match ctx.shared.claim(&key) {
+    let slots = decoded.as_ref().map(|j| j.slots).unwrap_or(1);
+    match ctx.shared.claim(&key, slots) {
         Claim::New { cancel, claim } => Some(Box::pin(handle_delivery(
             ctx.clone(),
             delivery,

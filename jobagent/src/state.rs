@@ -34,6 +34,14 @@ struct Claimed {
     claim: String,
     /// Set once the claim is settled: the job's claim marker is ours.
     owned: Option<Owned>,
+    /// Slots the job takes ([`vq_common::messages::Job::slots`], at most
+    /// the agent's slots).
+    slots: usize,
+    /// Whether the job holds its slots (it started, or is being refused).
+    started: bool,
+    /// Claim order: a job waiting for slots starts only after every older
+    /// waiting one (first come, first served: no starvation).
+    seq: u64,
 }
 
 /// A settled claim: this agent owns the job through its claim marker.
@@ -167,6 +175,23 @@ struct Inner {
     mode: Mode,
     jobs: BTreeMap<String, Claimed>,
     last_end: Instant,
+    next_seq: u64,
+}
+
+impl Inner {
+    /// Slots of every claim (started or waiting).
+    fn claimed_slots(&self) -> usize {
+        self.jobs.values().map(|j| j.slots).sum()
+    }
+
+    /// Slots of the started claims.
+    fn started_slots(&self) -> usize {
+        self.jobs
+            .values()
+            .filter(|j| j.started)
+            .map(|j| j.slots)
+            .sum()
+    }
 }
 
 /// Result of [`Shared::claim`].
@@ -214,6 +239,9 @@ pub struct Shared {
     count: watch::Sender<usize>,
     /// Claims not settled yet (no marker known to be ours).
     unsettled: watch::Sender<usize>,
+    /// Bumped whenever slots are taken or given back (waiting jobs look
+    /// again).
+    starts: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -224,12 +252,14 @@ impl Shared {
                 mode: Mode::Pulling,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
+                next_seq: 0,
             }),
             slots: slots as usize,
             pull_changed: Notify::new(),
             heartbeat_now: Notify::new(),
             count: watch::channel(0).0,
             unsettled: watch::channel(0).0,
+            starts: watch::channel(0).0,
         }
     }
 
@@ -255,13 +285,25 @@ impl Shared {
         reply
     }
 
-    /// Free job slots.
+    /// Free job slots: the agent's slots minus those of every claim
+    /// (running or waiting for slots), 0 when overbooked by a waiting job.
     pub fn free_slots(&self) -> usize {
-        self.slots.saturating_sub(self.lock().jobs.len())
+        self.slots.saturating_sub(self.lock().claimed_slots())
     }
 
-    /// Claims a pool delivery for job `key`.
-    pub fn claim(&self, key: &str) -> Claim {
+    /// The agent's slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Claims a pool delivery for job `key`, which takes `slots` slots
+    /// (a job larger than the agent counts as the whole agent until it is
+    /// refused). A claim is accepted while the agent pulls and fewer jobs
+    /// than slots are claimed, even if the job does not fit now: it was
+    /// delivered within the consumer's prefetch (= free slots), so it
+    /// waits here for its slots ([`Shared::wait_for_slots`]) rather than
+    /// going back to the queue (a requeue spends its delivery limit).
+    pub fn claim(&self, key: &str, slots: u32) -> Claim {
         let mut g = self.lock();
         if g.jobs.contains_key(key) {
             return Claim::Duplicate;
@@ -270,7 +312,7 @@ impl Shared {
             return Claim::Requeue;
         }
         let claim = uuid::Uuid::new_v4().to_string();
-        Self::insert(&mut g, key, &claim);
+        self.insert(&mut g, key, &claim, slots);
         self.count_unsettled(&g);
         let cancel = g.jobs[key].cancel.clone();
         let n = g.jobs.len();
@@ -287,12 +329,13 @@ impl Shared {
         key: &str,
         claim: &str,
         owned: Owned,
+        slots: u32,
     ) -> Option<CancellationToken> {
         let mut g = self.lock();
         if g.jobs.contains_key(key) {
             return None;
         }
-        Self::insert(&mut g, key, claim);
+        self.insert(&mut g, key, claim, slots);
         if let Some(j) = g.jobs.get_mut(key) {
             j.owned = Some(owned);
         }
@@ -303,7 +346,9 @@ impl Shared {
         Some(cancel)
     }
 
-    fn insert(g: &mut Inner, key: &str, claim: &str) {
+    fn insert(&self, g: &mut Inner, key: &str, claim: &str, slots: u32) {
+        let seq = g.next_seq;
+        g.next_seq += 1;
         g.jobs.insert(
             key.to_string(),
             Claimed {
@@ -313,8 +358,58 @@ impl Shared {
                 cancellers: Vec::new(),
                 claim: claim.to_string(),
                 owned: None,
+                slots: (slots as usize).clamp(1, self.slots.max(1)),
+                started: false,
+                seq,
             },
         );
+    }
+
+    /// Takes the slots of job `key` if it may start now: its slots are
+    /// free among the started jobs and no older claim waits. Returns
+    /// `true` when it holds them (also when it is not claimed: nothing to
+    /// wait for).
+    pub fn try_start(&self, key: &str) -> bool {
+        let mut g = self.lock();
+        let Some(job) = g.jobs.get(key) else {
+            return true;
+        };
+        if job.started {
+            return true;
+        }
+        let (need, seq) = (job.slots, job.seq);
+        let older_waits = g.jobs.values().any(|j| !j.started && j.seq < seq);
+        if older_waits || g.started_slots() + need > self.slots {
+            return false;
+        }
+        if let Some(j) = g.jobs.get_mut(key) {
+            j.started = true;
+        }
+        drop(g);
+        self.starts.send_modify(|n| *n += 1);
+        true
+    }
+
+    /// Waits until job `key` holds its slots ([`Shared::try_start`]): the
+    /// agent never runs more slots than it has. Nothing is pulled while a
+    /// job waits (its slots count in [`Shared::free_slots`]), so the
+    /// running jobs' ends free them.
+    pub async fn wait_for_slots(&self, key: &str) {
+        let mut rx = self.starts.subscribe();
+        loop {
+            rx.borrow_and_update();
+            if self.try_start(key) {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Whether job `key` is claimed and waits for slots (not started).
+    pub fn is_waiting(&self, key: &str) -> bool {
+        self.lock().jobs.get(key).is_some_and(|j| !j.started)
     }
 
     fn count_unsettled(&self, g: &Inner) {
@@ -364,9 +459,10 @@ impl Shared {
         self.lock().jobs.contains_key(key)
     }
 
-    /// Whether every slot is taken.
+    /// Whether every slot is taken (by running or waiting claims).
     pub fn is_full(&self) -> bool {
-        self.lock().jobs.len() >= self.slots
+        let g = self.lock();
+        g.claimed_slots() >= self.slots || g.jobs.len() >= self.slots
     }
 
     /// Records the pid of a started job.
@@ -385,6 +481,7 @@ impl Shared {
         let n = g.jobs.len();
         drop(g);
         self.count.send_replace(n);
+        self.starts.send_modify(|n| *n += 1);
         self.pull_changed.notify_one();
         self.heartbeat_now.notify_one();
     }
@@ -506,20 +603,20 @@ mod tests {
     #[test]
     fn a_second_delivery_of_a_claimed_job_is_a_duplicate() {
         let s = Shared::new(2);
-        assert!(matches!(s.claim("j1"), Claim::New { .. }));
-        assert!(matches!(s.claim("j1"), Claim::Duplicate));
-        assert!(matches!(s.claim("j2"), Claim::New { .. }));
-        assert!(matches!(s.claim("j3"), Claim::Requeue), "no free slot");
+        assert!(matches!(s.claim("j1", 1), Claim::New { .. }));
+        assert!(matches!(s.claim("j1", 1), Claim::Duplicate));
+        assert!(matches!(s.claim("j2", 1), Claim::New { .. }));
+        assert!(matches!(s.claim("j3", 1), Claim::Requeue), "no free slot");
     }
 
     #[test]
     fn every_claim_gets_its_own_claim_id() {
         let s = Shared::new(2);
-        let Claim::New { claim: a, .. } = s.claim("j1") else {
+        let Claim::New { claim: a, .. } = s.claim("j1", 1) else {
             panic!("claimed")
         };
         s.release("j1");
-        let Claim::New { claim: b, .. } = s.claim("j1") else {
+        let Claim::New { claim: b, .. } = s.claim("j1", 1) else {
             panic!("claimed")
         };
         assert_ne!(a, b);
@@ -529,8 +626,8 @@ mod tests {
     #[tokio::test]
     async fn a_session_pulls_only_once_every_claim_is_settled() {
         let s = std::sync::Arc::new(Shared::new(2));
-        let _ = s.claim("j1");
-        let _ = s.claim("j2");
+        let _ = s.claim("j1", 1);
+        let _ = s.claim("j2", 1);
         let waiter = {
             let s = s.clone();
             tokio::spawn(async move { s.wait_settled().await })
@@ -547,10 +644,10 @@ mod tests {
     #[test]
     fn a_recovered_claim_is_settled_at_once() {
         let s = Shared::new(1);
-        let c = s.claim_recovered("j1", "c1", owned());
+        let c = s.claim_recovered("j1", "c1", owned(), 1);
         assert!(c.is_some());
         assert_eq!(s.owned_claims(), vec![("j1".to_string(), "c1".to_string())]);
-        assert!(s.claim_recovered("j1", "c2", owned()).is_none());
+        assert!(s.claim_recovered("j1", "c2", owned(), 1).is_none());
     }
 
     use Event::{AskDelete, Deletable, Drain};
@@ -633,14 +730,17 @@ mod tests {
     fn an_ask_delete_and_a_claim_are_ordered_whichever_comes_first() {
         // A claim, then the ask-delete.
         let s = Shared::new(1);
-        assert!(matches!(s.claim("j1"), Claim::New { .. }));
+        assert!(matches!(s.claim("j1", 1), Claim::New { .. }));
         assert_eq!(s.try_stop_for_delete(), Err(vec!["j1".to_string()]));
         assert_eq!(s.mode(), Pulling, "a refused ask-delete changes nothing");
 
         // The ask-delete, then the claim.
         let s = Shared::new(1);
         assert_eq!(s.try_stop_for_delete(), Ok(()));
-        assert!(matches!(s.claim("j1"), Claim::Requeue), "stopped pulling");
+        assert!(
+            matches!(s.claim("j1", 1), Claim::Requeue),
+            "stopped pulling"
+        );
         assert!(!s.is_claimed("j1"));
         s.mark_deleted();
         assert_eq!(s.mode(), Agreed);
@@ -650,7 +750,7 @@ mod tests {
     #[test]
     fn drain_then_idle_reports_drained_once() {
         let s = Shared::new(1);
-        let _ = s.claim("j1");
+        let _ = s.claim("j1", 1);
         assert!(s.start_drain(), "the first drain reports");
         assert_eq!(s.snapshot().state, AgentState::Draining);
         assert!(!s.start_drain(), "a second drain does not report again");
@@ -676,12 +776,77 @@ mod tests {
     #[test]
     fn ask_delete_with_a_claimed_job_changes_nothing_and_says_no() {
         let s = Shared::new(1);
-        let _ = s.claim("j1");
+        let _ = s.claim("j1", 1);
         assert_eq!(s.try_stop_for_delete(), Err(vec!["j1".to_string()]));
         assert!(s.wants_pull());
         s.release("j1");
         assert_eq!(s.try_stop_for_delete(), Ok(()));
         assert!(!s.wants_pull());
-        assert!(matches!(s.claim("j2"), Claim::Requeue), "stopped pulling");
+        assert!(
+            matches!(s.claim("j2", 1), Claim::Requeue),
+            "stopped pulling"
+        );
+    }
+
+    #[test]
+    fn an_n_slot_job_starts_only_when_its_slots_are_free_and_never_overcommits() {
+        let s = Shared::new(2);
+        assert!(matches!(s.claim("a", 2), Claim::New { .. }));
+        assert!(s.try_start("a"));
+        assert_eq!(s.free_slots(), 0);
+        // Delivered within the same prefetch window: claimed, waits.
+        assert!(matches!(s.claim("b", 2), Claim::New { .. }));
+        assert!(!s.try_start("b"), "2 + 2 slots on a 2-slot agent");
+        assert!(s.is_waiting("b"));
+        assert_eq!(
+            s.free_slots(),
+            0,
+            "a waiting job keeps the agent from pulling"
+        );
+        s.release("a");
+        assert!(s.try_start("b"));
+        assert!(!s.is_waiting("b"));
+    }
+
+    #[test]
+    fn waiting_jobs_start_first_come_first_served() {
+        let s = Shared::new(4);
+        let _ = s.claim("small1", 1);
+        assert!(s.try_start("small1"));
+        let _ = s.claim("big", 4);
+        let _ = s.claim("small2", 1);
+        assert!(!s.try_start("big"));
+        assert!(!s.try_start("small2"), "an older waiting job goes first");
+        s.release("small1");
+        assert!(s.try_start("big"));
+        assert!(!s.try_start("small2"));
+        s.release("big");
+        assert!(s.try_start("small2"));
+    }
+
+    #[test]
+    fn a_job_larger_than_the_agent_counts_as_the_whole_agent() {
+        let s = Shared::new(2);
+        let _ = s.claim("huge", 64);
+        assert_eq!(s.free_slots(), 0);
+        assert!(s.try_start("huge"));
+    }
+
+    #[tokio::test]
+    async fn a_waiting_job_is_woken_when_slots_are_released() {
+        let s = std::sync::Arc::new(Shared::new(2));
+        let _ = s.claim("a", 2);
+        assert!(s.try_start("a"));
+        let _ = s.claim("b", 1);
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.wait_for_slots("b").await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        s.release("a");
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("woken")
+            .unwrap();
+        assert!(!s.is_waiting("b"));
     }
 }

@@ -39,6 +39,12 @@ pub trait Sys: Send + Sync {
     /// # Errors
     /// [`NssError`] for a failed lookup.
     fn group_list(&self, user: &str, primary: u32) -> Result<Vec<u32>, NssError>;
+
+    /// The VM's memory, bytes (`MemTotal` of `/proc/meminfo`); `None`
+    /// when unknown.
+    fn memory_bytes(&self) -> Option<u64> {
+        meminfo_total(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    }
 }
 
 /// The real host: users and groups through [`crate::nss::Nss::host`] (the files
@@ -149,4 +155,11 @@ impl Sys for FakeSys {
         }
         Ok(out)
     }
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, bytes.
+pub fn meminfo_total(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
 }

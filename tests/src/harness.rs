@@ -1059,6 +1059,8 @@ pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
         stderr: None,
         join: Default::default(),
         walltime: None,
+        slots: 1,
+        mem: None,
         rerunnable: true,
         umask: None,
         submit_host: "submit.test".into(),

@@ -121,6 +121,13 @@ pub struct AgentConfig {
     pub job_path: String,
     /// Directory for the agent's own state (root-only).
     pub state_dir: PathBuf,
+    /// Directory of the jobs' `PBS_NODEFILE`s (one file per running job,
+    /// `<nodefile_dir>/<job id>`, N lines of the host name): created by the
+    /// agent, owned by root, mode 0711 (jobs open their file by name, list
+    /// and create nothing). Its parents must let job owners through, so it
+    /// is not under `state_dir` (0700). Absolute; default
+    /// `/run/vq-jobagent/nodefiles`.
+    pub nodefile_dir: PathBuf,
     /// Largest job script accepted, bytes.
     pub max_script_bytes: usize,
     /// Groups whose members may never run jobs here (by name; checked
@@ -190,6 +197,7 @@ impl Default for AgentConfig {
             default_umask: 0o022,
             job_path: "/usr/local/bin:/usr/bin:/bin".into(),
             state_dir: PathBuf::from("/var/lib/vq"),
+            nodefile_dir: PathBuf::from("/run/vq-jobagent/nodefiles"),
             max_script_bytes: crate::messages::MAX_SCRIPT_BYTES,
             deny_groups: Vec::new(),
             allow_groups: Vec::new(),
@@ -271,6 +279,12 @@ impl AgentConfig {
             p.push(format!(
                 "state_dir: {} is not absolute",
                 self.state_dir.display()
+            ));
+        }
+        if !self.nodefile_dir.is_absolute() {
+            p.push(format!(
+                "nodefile_dir: {} is not absolute",
+                self.nodefile_dir.display()
             ));
         }
         if self.job_path.is_empty() {

@@ -105,13 +105,8 @@ fn a_typical_script_is_parsed() {
     assert_eq!(d.name.as_deref(), Some("sim_42"));
     assert_eq!(d.queue.as_deref(), Some("cms"));
     assert_eq!(d.walltime, Some(7200));
-    assert_eq!(
-        d.resources,
-        vec![Resource {
-            name: "nodes".into(),
-            value: "1:ppn=4".into()
-        }]
-    );
+    assert_eq!(d.slots, Some(4));
+    assert!(d.resources.is_empty());
     assert_eq!(d.join, Some(Join::Oe));
     assert_eq!(d.stdout.as_deref(), Some("logs/out.txt"));
     assert_eq!(
@@ -127,8 +122,8 @@ fn a_typical_script_is_parsed() {
     assert_eq!(d.rerunnable, Some(false));
     assert_eq!(d.umask, Some(0o027));
     assert_eq!(d.group.as_deref(), Some("cms"));
-    assert_eq!(d.warnings.len(), 1, "{:?}", d.warnings);
-    assert_eq!(d.warnings[0].line, Some(4));
+    // nodes=1:ppn=4 is honoured now: no warning.
+    assert!(d.warnings.is_empty(), "{:?}", d.warnings);
 }
 
 #[test]
@@ -273,13 +268,7 @@ fn the_command_line_wins_over_the_script() {
     assert_eq!(d.walltime, Some(20));
     assert_eq!(d.rerunnable, Some(false));
     assert!(d.export_all);
-    assert_eq!(
-        d.resources,
-        vec![Resource {
-            name: "mem".into(),
-            value: "2gb".into()
-        }]
-    );
+    assert_eq!(d.mem, Some(2 << 30));
     assert_eq!(
         d.vars,
         vec![
@@ -301,4 +290,79 @@ fn unknown_command_line_options_are_refused() {
         d.apply_option('q', None, None),
         Err(PbsError::MissingValue { option: 'q' })
     ));
+}
+
+#[test]
+fn resource_requests_give_slots_and_memory() {
+    let mut d = Directives::default();
+    d.apply_option('l', Some("nodes=1:ppn=4"), None).unwrap();
+    assert_eq!(d.slots, Some(4));
+    assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+    let mut d = Directives::default();
+    d.apply_option('l', Some("ncpus=3,mem=2gb"), None).unwrap();
+    assert_eq!((d.slots, d.mem), (Some(3), Some(2 << 30)));
+    let mut d = Directives::default();
+    d.apply_option('l', Some("select=1:ncpus=2:mem=512mb"), None)
+        .unwrap();
+    assert_eq!((d.slots, d.mem), (Some(2), Some(512 << 20)));
+    let mut d = Directives::default();
+    d.apply_option('l', Some("select=ncpus=8"), None).unwrap();
+    assert_eq!(d.slots, Some(8));
+    let mut d = Directives::default();
+    d.apply_option('l', Some("nodes=1"), None).unwrap();
+    assert_eq!(d.slots, Some(1));
+    let mut d = Directives::default();
+    d.apply_option('l', Some("nodes=node07:ppn=2"), None)
+        .unwrap();
+    assert_eq!(d.slots, Some(2));
+}
+
+#[test]
+fn multi_node_and_multi_chunk_requests_are_refused_with_a_reason() {
+    for bad in [
+        "nodes=2:ppn=4",
+        "nodes=1:ppn=2+1:ppn=2",
+        "select=2:ncpus=4",
+        "select=1:ncpus=2+1:ncpus=2",
+        "nodes=1:ppn=0",
+        "ncpus=x",
+        "ncpus=5000",
+        "mem=12qb",
+        "mem=0",
+        "mem=gb",
+    ] {
+        let mut d = Directives::default();
+        let e = d.apply_option('l', Some(bad), None).unwrap_err();
+        assert!(matches!(e, PbsError::Resource { .. }), "{bad}: {e:?}");
+        assert!(e.to_string().contains("invalid resource request"), "{e}");
+    }
+    let mut d = Directives::default();
+    let e = d.apply_option('l', Some("nodes=2"), None).unwrap_err();
+    assert!(e.to_string().contains("one VM"), "{e}");
+}
+
+#[test]
+fn sizes_follow_torques_size_format() {
+    assert_eq!(parse_size("100"), Ok(100));
+    assert_eq!(parse_size("100b"), Ok(100));
+    assert_eq!(parse_size("2kb"), Ok(2048));
+    assert_eq!(parse_size("3MB"), Ok(3 << 20));
+    assert_eq!(parse_size("4gb"), Ok(4 << 30));
+    assert_eq!(parse_size("1tb"), Ok(1 << 40));
+    assert_eq!(parse_size("10w"), Ok(80));
+    assert_eq!(parse_size("1kw"), Ok(8192));
+    assert_eq!(parse_size("1gw"), Ok(8 << 30));
+    assert!(parse_size("").is_err());
+    assert!(parse_size("1pb").is_err());
+    assert!(parse_size("99999999999tb").is_err());
+}
+
+#[test]
+fn a_command_line_slot_request_overrides_the_scripts() {
+    let d = parse_script("#PBS -l nodes=1:ppn=4,mem=1gb\necho\n").unwrap();
+    assert_eq!(d.slots, Some(4));
+    let mut cli = Directives::default();
+    cli.apply_option('l', Some("ncpus=2"), None).unwrap();
+    let d = d.overridden_by(cli);
+    assert_eq!((d.slots, d.mem), (Some(2), Some(1 << 30)));
 }

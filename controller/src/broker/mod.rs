@@ -292,7 +292,14 @@ impl Broker {
 
     /// A copy of the agent and demand state, with old records pruned.
     pub fn snapshot(&self, now: Instant) -> EventSnapshot {
-        self.shared_lock().snapshot(now)
+        let mut snap = self.shared_lock().snapshot(now);
+        if let Some((jobs, _)) = &self.jobs {
+            let view = jobs.read().unwrap_or_else(|e| e.into_inner());
+            if view.complete {
+                snap.job_slots = Some(crate::jobs::slots::pool_slots(&view.table));
+            }
+        }
+        snap
     }
 
     /// The broker's reason while it blocks the controller's connection

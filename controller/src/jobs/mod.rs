@@ -7,6 +7,7 @@
 pub mod feed;
 pub mod http;
 pub mod queries;
+pub mod slots;
 
 pub use feed::{JobsView, SharedJobs};
 pub use vq_common::jobs::{Filter, JobRecord, JobTable, State};

@@ -4,7 +4,9 @@
 //!
 //! The rule (seed: `VN = VT - VA`, counting VMs booting):
 //!
-//! * `VT = clamp(ceil((queued + running) / slots), min, max)`;
+//! * `VT = clamp(ceil((queued slots + running slots) / slots), min, max)`,
+//!   where a job counts its requested slots (`Job::slots`, from the job
+//!   table) and a queued message the table does not know counts 1;
 //! * `VA` = servers whose agent heartbeats and takes jobs (idle or busy);
 //! * `VB` = servers booting (BUILD, or up without a first heartbeat within
 //!   `boot_timeout_secs`), plus servers not judged yet because the
@@ -304,7 +306,11 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
     // would boot twice.
     let vb = count(&|c| matches!(c, Class::Booting | Class::Unknown)) + obs.unlisted_created;
     let slots = u64::from(pool.slots.max(1));
-    let demand = obs.queued.saturating_add(obs.running);
+    // Slots, not jobs: a job of N slots needs N of a VM's `slots`.
+    let demand = obs
+        .queued_slots
+        .max(obs.queued)
+        .saturating_add(obs.running_slots.max(obs.running));
     let wanted = demand.div_ceil(slots).min(u64::from(u32::MAX)) as u32;
     let vt = wanted.clamp(pool.min, pool.max.max(pool.min));
     let mut actions = Vec::new();
@@ -358,15 +364,15 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         limit(
             LIMIT_MAX,
             format!(
-                "pool at max {}: {demand} jobs need {wanted} VMs at {slots} slots/VM",
+                "pool at max {}: {demand} job slots need {wanted} VMs at {slots} slots/VM",
                 pool.max
             ),
         );
     }
     let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
     let why = format!(
-        "target {vt} VMs for {} queued + {} running jobs at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
-        obs.queued, obs.running, pool.slots, pool.min, pool.max
+        "target {vt} VMs for {} queued + {} running jobs ({} + {} slots) at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
+        obs.queued, obs.running, obs.queued_slots.max(obs.queued), obs.running_slots.max(obs.running), pool.slots, pool.min, pool.max
     );
     if vn > 0 {
         let mut n = vn as u32;

@@ -56,12 +56,15 @@ fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
         servers,
         queued,
         running,
+        queued_slots: queued,
+        running_slots: running,
         quota_remaining: None,
         listening_secs: 1000.0,
         since_scale_down_secs: None,
         since_boot_failure_secs: None,
         boot_obstacle: None,
         unlisted_created: 0,
+        configured_slots: 0,
         boot_gate: Default::default(),
     }
 }
@@ -173,7 +176,7 @@ fn the_first_limit_that_cut_the_boots_is_named_and_none_when_all_are_made() {
     let l = p.limited.expect("limited");
     assert_eq!(l.kind, LIMIT_MAX);
     assert!(
-        l.reason.contains("pool at max 4: 10 jobs need 10 VMs"),
+        l.reason.contains("pool at max 4: 10 job slots need 10 VMs"),
         "{}",
         l.reason
     );
@@ -648,4 +651,55 @@ fn the_boot_gate_limits_boots_and_says_why() {
         probing: true,
     };
     assert_eq!(boots(&plan(&o, &pool(0, 10, 1), T)), 0);
+}
+
+#[test]
+fn demand_counts_slots_not_jobs() {
+    // Two ppn=4 jobs queued in a pool of 2-slot VMs: 4 VMs, not 1.
+    let mut o = obs(vec![], 2, 0);
+    o.queued_slots = 8;
+    let pl = plan(&o, &pool(0, 10, 2), T);
+    assert_eq!(boots(&pl), 4, "{:?}", pl.actions);
+    assert!(
+        pl.actions[0].reason().contains("(8 + 0 slots)"),
+        "{}",
+        pl.actions[0].reason()
+    );
+    // Running slots count too.
+    let mut o = obs(vec![], 0, 1);
+    o.running_slots = 3;
+    assert_eq!(boots(&plan(&o, &pool(0, 10, 2), T)), 2);
+}
+
+#[test]
+fn queue_messages_the_table_does_not_know_count_one_slot_each() {
+    use crate::jobs::slots::PoolSlots;
+    use crate::observe::slot_demand;
+    assert_eq!(slot_demand(5, None), (5, 0));
+    let t = PoolSlots {
+        queued_jobs: 2,
+        queued_slots: 8,
+        running_slots: 4,
+    };
+    // 5 messages, 2 known (8 slots) + 3 unknown (1 each).
+    assert_eq!(slot_demand(5, Some(t)), (11, 4));
+    // The table may know of more queued jobs than the queue shows yet.
+    assert_eq!(slot_demand(1, Some(t)), (8, 4));
+    assert_eq!(slot_demand(0, Some(PoolSlots::default())), (0, 0));
+}
+
+proptest! {
+    #[test]
+    fn the_target_is_the_ceiling_of_slots_over_vm_slots(
+        queued in 0u64..20, extra_q in 0u64..40, running in 0u64..10, extra_r in 0u64..20, slots in 1u32..8,
+    ) {
+        let mut o = obs(vec![], queued, running);
+        o.queued_slots = queued + extra_q;
+        o.running_slots = running + extra_r;
+        let pl = plan(&o, &pool(0, 1000, slots), T);
+        let want = (queued + extra_q + running + extra_r).div_ceil(u64::from(slots)) as u32;
+        prop_assert_eq!(boots(&pl), want);
+        // Never fewer VMs than counting each job as one slot.
+        prop_assert!(boots(&pl) as u64 >= (queued + running).div_ceil(u64::from(slots)));
+    }
 }

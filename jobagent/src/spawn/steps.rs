@@ -385,6 +385,10 @@ mod tests {
             cpu_quota_us: 0,
             pids_max: 512,
             state_dir: PathBuf::from("/var/lib/vq"),
+            slots: 1,
+            nodefile: PathBuf::from("/var/lib/vq/nodefiles/j1"),
+            requested_memory_bytes: 0,
+            requested_cpu_quota_us: 0,
         }
     }
 

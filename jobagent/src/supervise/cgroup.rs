@@ -141,17 +141,26 @@ pub(super) struct JobCgroup {
 impl JobCgroup {
     pub(super) fn create(host: &Host, base: &Path, plan: &LaunchPlan) -> Result<Self, LaunchError> {
         let mut wanted = Vec::new();
-        if plan.memory_max_bytes > 0 {
+        let available =
+            std::fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
+        let has = |c: &str| available.split_whitespace().any(|a| a == c);
+        // The site's limits are required; the job's request (`-l mem`, its
+        // slots as CPUs) applies where the controller is delegated.
+        let memory_max = effective_limit(
+            plan.memory_max_bytes,
+            plan.requested_memory_bytes,
+            has("memory"),
+        );
+        let cpu_quota = effective_limit(plan.cpu_quota_us, plan.requested_cpu_quota_us, has("cpu"));
+        if memory_max > 0 {
             wanted.push("memory");
         }
-        if plan.cpu_quota_us > 0 {
+        if cpu_quota > 0 {
             wanted.push("cpu");
         }
         // The process limit always applies; without the pids controller the
         // child enforces it with RLIMIT_NPROC instead.
-        let available =
-            std::fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
-        let pids_max = available.split_whitespace().any(|c| c == "pids");
+        let pids_max = has("pids");
         if pids_max {
             wanted.push("pids");
         }
@@ -168,17 +177,17 @@ impl JobCgroup {
             let _ = std::fs::remove_dir(&path);
             e
         };
-        if plan.memory_max_bytes > 0 {
-            write_file(&path.join("memory.max"), &plan.memory_max_bytes.to_string())
+        if memory_max > 0 {
+            write_file(&path.join("memory.max"), &memory_max.to_string())
                 .map_err(cg_err(format!("set memory.max of {}", path.display())))
                 .map_err(remove)?;
             // No swap beyond the limit either, where swap accounting exists.
             let _ = write_file(&path.join("memory.swap.max"), "0");
         }
-        if plan.cpu_quota_us > 0 {
+        if cpu_quota > 0 {
             write_file(
                 &path.join("cpu.max"),
-                &format!("{} {CPU_PERIOD_US}", plan.cpu_quota_us),
+                &format!("{cpu_quota} {CPU_PERIOD_US}"),
             )
             .map_err(cg_err(format!("set cpu.max of {}", path.display())))
             .map_err(remove)?;
@@ -239,4 +248,32 @@ pub(super) fn in_cgroup(pid: i32, name: &str) -> bool {
             .filter_map(|l| l.strip_prefix("0::"))
             .any(|rel| rel.trim_end().rsplit('/').next() == Some(name))
     })
+}
+
+/// The limit a job's cgroup gets from the site's `hard` one (0 = none,
+/// required: the job fails without its controller) and the job's
+/// `requested` one (0 = none, applied only when the controller is
+/// `available`): the smaller of those that apply.
+pub(super) fn effective_limit(hard: u64, requested: u64, available: bool) -> u64 {
+    let requested = if available { requested } else { 0 };
+    match (hard, requested) {
+        (0, r) => r,
+        (h, 0) => h,
+        (h, r) => h.min(r),
+    }
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::effective_limit;
+
+    #[test]
+    fn a_jobs_request_applies_only_with_its_controller_and_never_raises_the_sites_limit() {
+        assert_eq!(effective_limit(0, 0, true), 0);
+        assert_eq!(effective_limit(0, 400_000, true), 400_000);
+        assert_eq!(effective_limit(0, 400_000, false), 0);
+        assert_eq!(effective_limit(200_000, 400_000, true), 200_000);
+        assert_eq!(effective_limit(800_000, 400_000, true), 400_000);
+        assert_eq!(effective_limit(800_000, 400_000, false), 800_000);
+    }
 }

@@ -365,6 +365,10 @@ pub async fn run_job(
         Ok(p) => p,
         Err(e) => return failed(&e),
     };
+    if let Err(e) = write_nodefile(&plan) {
+        return failed(&e);
+    }
+    let nodefile = RemoveOnDrop(plan.nodefile.clone());
     let host = host(plan.cgroups);
     let wants_limits = plan.memory_max_bytes > 0 || plan.cpu_quota_us > 0;
     let cgroup = match (&host.cgroup_base, plan.cgroups) {
@@ -462,7 +466,78 @@ pub async fn run_job(
         }
     }
     let _ = std::fs::remove_file(record_path(&plan.state_dir, pid));
+    drop(nodefile);
     result
+}
+
+/// Removes a file when dropped (the job's `PBS_NODEFILE`, whatever way
+/// [`run_job`] ends).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Writes the job's `PBS_NODEFILE` ([`LaunchPlan::nodefile`]): `slots`
+/// lines of this host's name, as pbs_mom writes one line per processor.
+/// Its directory (`nodefile_dir`) belongs to root, mode 0711 (the
+/// owner can open a file whose name it knows, list nothing, create
+/// nothing), so no job owner can plant a symlink there; the file is
+/// created new (`O_EXCL | O_NOFOLLOW`, a stale one of a crashed agent is
+/// removed first), mode 0644, by the agent before fork.
+///
+/// # Errors
+/// [`LaunchError::Prepare`]: the job fails to start with the reason.
+pub fn write_nodefile(plan: &LaunchPlan) -> Result<(), LaunchError> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    let prep = |what: &'static str| move |source| LaunchError::Prepare { what, source };
+    let dir = plan.nodefile.parent().ok_or_else(|| {
+        prep("nodefile path")(std::io::Error::from_raw_os_error(nix::libc::EINVAL))
+    })?;
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(dir)
+    {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(prep("create the nodefile directory")(e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(prep("stat the nodefile directory"))?;
+    {
+        use std::os::unix::fs::MetadataExt;
+        if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() {
+            return Err(prep(
+                "nodefile directory is not a directory of the agent's user",
+            )(std::io::Error::from_raw_os_error(
+                nix::libc::EPERM,
+            )));
+        }
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+        .map_err(prep("chmod the nodefile directory"))?;
+    let _ = std::fs::remove_file(&plan.nodefile);
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(&plan.nodefile)
+        .map_err(prep("create the PBS_NODEFILE"))?;
+    // Explicit: the agent's umask must not make it unreadable for the owner.
+    f.set_permissions(std::fs::Permissions::from_mode(0o644))
+        .map_err(prep("chmod the PBS_NODEFILE"))?;
+    let text = format!("{host}\n").repeat(plan.slots.max(1) as usize);
+    f.write_all(text.as_bytes())
+        .map_err(prep("write the PBS_NODEFILE"))?;
+    Ok(())
 }
 
 /// What the job leader's waiter thread returns.
