@@ -264,6 +264,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if ready.is_empty() {
             return summary;
         }
+        // First, on its own connection: a partitioned leader shows it is
+        // standby at once, even while the observation below waits.
+        self.leadership_step().await;
         let world = observe_world(
             &self.cloud,
             &self.broker,
@@ -305,7 +308,6 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
         };
         let mut quota = world.quota_remaining;
-        self.leadership_step().await;
         let acting = self.role == Role::Leader && !self.dry_run;
         for pool in ready {
             let turn_started = Instant::now();

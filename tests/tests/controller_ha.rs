@@ -346,6 +346,11 @@ async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_star
         a_last < b_first,
         "A acted after B's first action: {m:?}"
     );
+    // RabbitMQ closes a silent connection 2 to 3 heartbeat timeouts after
+    // its last frame (measured here); then one cycle and the proof bound.
+    let bound = 2.0 * INTERVAL + 4.0 * f64::from(AMQP_HEARTBEAT);
+    println!("takeover after a partition: {takeover:.2} s (bound 2 x interval + 4 x heartbeat = {bound:.1} s)");
+    ensure!(takeover <= bound, "takeover {takeover:.2} s");
     // A serves its status as a standby while partitioned.
     let sa = a
         .wait_status("A standby", Duration::from_secs(10), |s| {
