@@ -57,12 +57,15 @@ pub enum CliError {
         source: Box<AmqpError>,
     },
     /// The pool has no queue on the broker.
-    #[error("no pool named {pool:?} on cluster {cluster:?} (no queue {cluster}.jobs.{pool})")]
+    #[error("no pool named {pool:?} on cluster {cluster:?} (no queue {cluster}.jobs.{pool}); {}", pools_hint(.known))]
     NoSuchPool {
         /// Pool.
         pool: String,
         /// Cluster.
         cluster: String,
+        /// The pools the controller's `/status` names, when it answered
+        /// (`None`: not asked or not reachable).
+        known: Option<Vec<String>>,
     },
     /// The cluster's exchanges do not exist on the broker.
     #[error("no cluster named {cluster:?} on the broker (exchange {exchange:?} does not exist); check --cluster, or start the controller, which declares it")]
@@ -238,3 +241,13 @@ pub fn amqp_reply_code(err: &AmqpError) -> Option<u16> {
 }
 
 pub use vq_common::amqp::{lapin_reply_code, NOT_FOUND};
+
+/// The second half of [`CliError::NoSuchPool`]'s message: the pools that
+/// exist, or where to find them.
+fn pools_hint(known: &Option<Vec<String>>) -> String {
+    match known {
+        Some(names) if names.is_empty() => "the controller names no pools".into(),
+        Some(names) => format!("pools: {}", names.join(", ")),
+        None => "`vq pools` lists the pools".into(),
+    }
+}

@@ -9,8 +9,9 @@
 //! exit codes; everything else is here so tests can call it: [`submit`]
 //! (building and publishing a job), [`events`] (reading and following job
 //! events), [`stat`], [`control`] (cancel, drain), [`pools`], [`settings`]
-//! (where to connect), [`term`] (the invoking user, terminal-safe text) and
-//! [`error`] (every error and its exit code).
+//! (where to connect), [`term`] (the invoking user, terminal-safe text),
+//! [`usage`] (unknown options in words) and [`error`] (every error and its
+//! exit code).
 
 pub mod control;
 pub mod error;
@@ -20,6 +21,7 @@ pub mod settings;
 pub mod stat;
 pub mod submit;
 pub mod term;
+pub mod usage;
 
 use std::path::PathBuf;
 
@@ -28,6 +30,15 @@ use vq_common::pbs::{Directives, PbsError};
 
 pub use error::CliError;
 use settings::{Overrides, Settings};
+
+/// The log filter of `vq` when `VQ_LOG` is unset (tracing-subscriber
+/// `EnvFilter` syntax): warnings of vq's own crates only. Libraries' log
+/// lines (lapin's "Server returned us a message …" with the whole job as a
+/// byte array, its "Connection error … Closing" when a command closes its
+/// connection) are not messages to a user: every failure they stand for
+/// reaches `vq` as an error and is said once, in words. `VQ_LOG=lapin=debug`
+/// (any `EnvFilter`) shows them again.
+pub const DEFAULT_LOG_FILTER: &str = "off,vq=warn,vq_cli=warn,vq_common=warn";
 
 /// `vq`: submit and inspect batch jobs on a vq cluster.
 #[derive(Debug, Parser)]

@@ -65,7 +65,12 @@ fn main() -> ExitCode {
     let cli = match parsed {
         Ok(cli) => cli,
         Err(e) => {
-            let _ = e.print();
+            match cli::usage::unknown_option_text(&e) {
+                Some(text) => eprint!("{text}"),
+                None => {
+                    let _ = e.print();
+                }
+            }
             return if e.use_stderr() {
                 ExitCode::from(EXIT_USAGE as u8)
             } else {
@@ -79,7 +84,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("VQ_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cli::DEFAULT_LOG_FILTER)),
         )
         .init();
 

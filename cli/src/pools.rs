@@ -96,6 +96,27 @@ pub fn render(status: &Value) -> Option<String> {
     Some(out)
 }
 
+/// How long [`pool_names`] waits for the controller: it only improves an
+/// error message.
+pub const HINT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The pool names of the controller's `/status` (sorted), or `None` if the
+/// controller does not answer within [`HINT_TIMEOUT`], serves another
+/// cluster or names no `pools` object. For error messages ("no pool named …; pools: a, b").
+pub async fn pool_names(settings: &Settings) -> Option<Vec<String>> {
+    let status = tokio::time::timeout(HINT_TIMEOUT, fetch_status(settings))
+        .await
+        .ok()?
+        .ok()?;
+    // Another cluster's controller does not know this cluster's pools.
+    if status.get("cluster").and_then(Value::as_str) != Some(settings.cluster.as_str()) {
+        return None;
+    }
+    let mut names: Vec<String> = status.get("pools")?.as_object()?.keys().cloned().collect();
+    names.sort();
+    Some(names)
+}
+
 /// Fetches `{controller}/status`.
 ///
 /// # Errors

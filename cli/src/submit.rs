@@ -374,6 +374,7 @@ pub async fn publish_job(
         Err(AmqpError::Unroutable { .. }) => Err(CliError::NoSuchPool {
             pool: job.pool.clone(),
             cluster: topo.cluster().to_string(),
+            known: None,
         }),
         Err(e) if amqp_reply_code(&e) == Some(NOT_FOUND) => Err(CliError::NoSuchCluster {
             cluster: topo.cluster().to_string(),
@@ -457,7 +458,18 @@ pub async fn run(
         .map_err(CliError::broker("connect to the broker"))?;
     let result = submit_on(&conn, settings, &topo, &job, wait).await;
     let _ = conn.close(200, "bye".into()).await;
-    result
+    match result {
+        Err(CliError::NoSuchPool {
+            pool,
+            cluster,
+            known: None,
+        }) => Err(CliError::NoSuchPool {
+            pool,
+            cluster,
+            known: crate::pools::pool_names(settings).await,
+        }),
+        other => other,
+    }
 }
 
 async fn submit_on(

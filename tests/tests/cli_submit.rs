@@ -248,6 +248,53 @@ async fn unknown_pools_and_clusters_are_clear_errors() {
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("no pool named \"nope\""), "{stderr}");
     assert!(out.stdout.is_empty());
+    // Said once, on one line, with no library's log lines (the returned
+    // message, the channel close) before it; without a reachable
+    // controller it says where the pools are listed.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("`vq pools`"), "{stderr}");
+
+    // With the controller's status at hand it lists the pools that exist.
+    let status = serde_json::json!({
+        "cluster": topo.cluster(),
+        "pools": {"p1": {"queued": 0}, "gpu": {"queued": 2}},
+    });
+    let app = axum::Router::new().route(
+        "/status",
+        axum::routing::get(move || {
+            let status = status.clone();
+            async move { axum::Json(status) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let out = tokio::task::spawn_blocking({
+        let cluster = topo.cluster().to_string();
+        move || {
+            vq(&cluster)
+                .env("VQ_CONTROLLER_URL", format!("http://{addr}"))
+                .args(["submit", "-q", "nope", "-"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    c.stdin.take().unwrap().write_all(b"true\n")?;
+                    c.wait_with_output()
+                })
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("no pool named \"nope\"") && stderr.contains("pools: gpu, p1"),
+        "{stderr}"
+    );
 
     let _ = conn.close(200, "bye".into()).await;
     sides.cleanup().await;
@@ -404,6 +451,12 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A successful command prints no library log line.
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let got = get_one(ch, &control).await;
     assert_eq!(
         Control::decode(&got.delivery.data).unwrap(),
@@ -429,6 +482,11 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
     let out = vq(topo.cluster()).args(["drain", "ag1"]).output().unwrap();
     assert!(
         out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.stderr.is_empty(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -486,7 +544,8 @@ async fn a_queued_job_is_in_stat_before_it_starts_and_submitters_cannot_forge_re
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert!(!stderr.contains("warning"), "{stderr}");
+    // Nothing on stderr: no warning, no library log line.
+    assert!(stderr.is_empty(), "{stderr}");
     let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
 
     // No agent has it: `vq stat` shows it queued, `vq stat ID` finds it.

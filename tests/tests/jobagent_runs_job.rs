@@ -249,13 +249,30 @@ async fn walltime_kills_a_job_that_runs_too_long() -> anyhow::Result<()> {
         return Ok(());
     }
     let mut s = setup("kill_grace_secs = 1", &[]).await?;
-    let mut j = job(POOL, &s.alice.name, "sleeper", "sleep 100\n");
+    let mut j = job(
+        POOL,
+        &s.alice.name,
+        "sleeper",
+        "echo started >&2; sleep 100\n",
+    );
     j.walltime = Some(2);
     s.broker.publish_job(&j).await?;
     let fin = s.tap.job_event(&j.id, "finished", EVENT_WAIT).await?;
     assert_eq!(fin["outcome"]["kind"], "walltime", "{fin}");
     let wall = fin["usage"]["wall_secs"].as_f64().unwrap();
     assert!((1.9..10.0).contains(&wall), "wall_secs {wall}");
+    // As pbs_mom does, the kill is noted at the end of the job's stderr,
+    // after what the job wrote.
+    let err_path = s.alice.home.join(format!("sleeper.e{}", j.seq()));
+    let err = read(&err_path);
+    assert!(
+        err.starts_with("started\n")
+            && err.contains("\n=>> vq: job killed: walltime ")
+            && err.ends_with(" exceeded limit 2\n"),
+        "{err:?}"
+    );
+    let _ = std::fs::remove_file(&err_path);
+    let _ = std::fs::remove_file(s.alice.home.join(format!("sleeper.o{}", j.seq())));
     // The whole process group is gone: no `sleep 100` of the owner is left.
     let left = std::process::Command::new("pgrep")
         .args(["-u", &s.alice.uid.to_string(), "-f", "sleep 100"])

@@ -65,6 +65,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -266,6 +267,9 @@ struct Outputs {
     /// Dropped to make the copiers give up (a leftover holds a pipe).
     stop: Option<OwnedFd>,
     copiers: Vec<tokio::task::JoinHandle<std::io::Result<output::Copied>>>,
+    /// A duplicate of the last stream's file (stderr, or the joined file
+    /// with `-j oe`/`eo`): where the agent notes why it stopped the job.
+    note: Option<OwnedFd>,
 }
 
 impl Outputs {
@@ -287,6 +291,10 @@ impl Outputs {
     ) -> Self {
         let stop_rd = std::sync::Arc::new(stop_rd);
         let over = CancellationToken::new();
+        let note = streams
+            .last()
+            .and_then(|s| s.file.as_ref())
+            .and_then(|f| f.try_clone().ok());
         let copiers = streams
             .into_iter()
             .map(|s| {
@@ -303,6 +311,7 @@ impl Outputs {
             over,
             stop: Some(stop_wr),
             copiers,
+            note,
         }
     }
 
@@ -414,7 +423,7 @@ pub async fn run_job(
         }
     };
     let pid = spawned.pid;
-    let outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe, &written);
+    let mut outputs = Outputs::start(spawned.outputs, plan.max_output_bytes, stop_pipe, &written);
     on_start(pid);
     let mut record = Record {
         job_id: plan.job_id.clone(),
@@ -435,8 +444,14 @@ pub async fn run_job(
         supervise(&members, &outputs.over, &plan, &mut record, started, cancel).await;
     members.finish_off(plan.kill_grace).await;
     // Output is complete before the job is reported.
+    let note = outputs.note.take();
     let over = outputs.finish().await;
     let stop = stop.or(over.then_some(Stop::OutputLimit));
+    if let (Some(Stop::Walltime), Some(file)) = (stop, note) {
+        let (text, cap) = (walltime_note(wall, plan.walltime), plan.max_output_bytes);
+        // The file may be on a slow file system: not on the runtime.
+        let _ = tokio::task::spawn_blocking(move || note_stop(&file, &text, cap)).await;
+    }
     let result = finish(pid, wall, reaped, stop);
     if let Some(cg) = &cgroup {
         for _ in 0..50 {
@@ -494,6 +509,47 @@ async fn supervise(
         }
     };
     (r, started.elapsed().as_secs_f64(), Some(stop))
+}
+
+/// The line pbs_mom appends to a job's stderr when it kills the job for its
+/// walltime (`=>> PBS: job killed: walltime 65 exceeded limit 60`, Torque
+/// `mom_main.c`), with `vq` for `PBS`: the used wall time (whole seconds,
+/// rounded down) and the limit.
+fn walltime_note(wall_secs: f64, limit: Duration) -> String {
+    format!(
+        "=>> vq: job killed: walltime {} exceeded limit {}\n",
+        wall_secs.max(0.0) as u64,
+        limit.as_secs()
+    )
+}
+
+/// Appends `text` to the job's output `file` (an fd the job opened as its
+/// owner: no path is resolved as root), unless that would take the file
+/// past `cap` bytes (`0` = no cap; the output cap has no slack). Failures
+/// are logged: the note must not change the job's result.
+fn note_stop(file: &OwnedFd, text: &str, cap: u64) {
+    let size = match nix::sys::stat::fstat(file) {
+        Ok(st) => u64::try_from(st.st_size).unwrap_or(u64::MAX),
+        Err(e) => {
+            warn!(error = %e, "cannot note the stop in the job's stderr");
+            return;
+        }
+    };
+    if cap > 0 && size.saturating_add(text.len() as u64) > cap {
+        info!("stop not noted in the job's stderr: it would pass max_output_bytes");
+        return;
+    }
+    let mut rest = text.as_bytes();
+    while !rest.is_empty() {
+        match nix::unistd::write(file, rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(Errno::EINTR) => {}
+            Err(e) => {
+                warn!(error = %e, "cannot note the stop in the job's stderr");
+                return;
+            }
+        }
+    }
 }
 
 /// The outcome and usage of a job whose leader ended after `wall` seconds.
