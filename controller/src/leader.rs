@@ -200,9 +200,11 @@ impl Leadership {
         }
         let s = guard.as_mut().expect("session");
         if s.channel.as_ref().is_none_or(|c| !c.status().connected()) {
-            let ch = s.conn.create_channel().await.map_err(|e| {
-                format!("cannot open a channel for the controller lock: {e}")
-            })?;
+            let ch = s
+                .conn
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel for the controller lock: {e}"))?;
             s.channel = Some(ch);
         }
         let ch = s.channel.clone().expect("channel");

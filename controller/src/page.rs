@@ -251,7 +251,9 @@ fn header(h: &mut String, r: &StatusReport) {
         }
     }
     if r.dry_run {
-        h.push_str("<p class=\"state err\" id=\"dry-run\">Dry run: plans are logged, nothing is done</p>");
+        h.push_str(
+            "<p class=\"state err\" id=\"dry-run\">Dry run: plans are logged, nothing is done</p>",
+        );
     }
     let broker = if r.broker_connected {
         "connected"

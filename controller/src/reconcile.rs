@@ -24,9 +24,9 @@ use crate::error::{ActError, CloudError, ObserveError, RunError};
 use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
 use crate::leader::{Gated, Leadership, Role};
-use crate::plan::Action;
 use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
 use crate::openstack::{CloudApi, Credentials, HttpCloud};
+use crate::plan::Action;
 use crate::plan::{classify, plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
 use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
@@ -178,18 +178,35 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     pub fn with_leadership(mut self, lock: Arc<Leadership>) -> Self {
         self.lock = Some(lock);
         self.role = Role::Standby;
-        status::show_role(&self.status, &self.metrics, Role::Standby, Some("not tried yet"));
+        status::show_role(
+            &self.status,
+            &self.metrics,
+            Role::Standby,
+            Some("not tried yet"),
+        );
         self
     }
 
     /// `--dry-run`: plans are logged ("dry run: would …", with the
     /// reasons), nothing is created, deleted, asked or fenced.
+    /// A dry-run controller never takes the controller lock (it must not
+    /// keep a production controller from acting): it is standby.
     pub fn with_dry_run(mut self, dry_run: bool) -> Self {
         self.dry_run = dry_run;
         self.status
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .dry_run = dry_run;
+        if dry_run {
+            self.lock = None;
+            self.role = Role::Standby;
+            status::show_role(
+                &self.status,
+                &self.metrics,
+                Role::Standby,
+                Some("dry run: plans only, never takes the controller lock"),
+            );
+        }
         self
     }
 
@@ -350,7 +367,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if !shutdown.is_cancelled() && acting {
             summary.fenced = self.fence_lost(&world).await;
         } else if self.dry_run {
-            tracing::debug!("dry run: no fencing step (no lease is returned, no fence mark written)");
+            tracing::debug!(
+                "dry run: no fencing step (no lease is returned, no fence mark written)"
+            );
         }
         summary
     }
@@ -367,7 +386,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             self.metrics.leadership_changes.inc();
             match role {
                 Role::Leader => tracing::info!("this controller is now the leader: it acts"),
-                Role::Standby => tracing::warn!(reason = ?why, "this controller is now standby: it observes and serves status, acts on nothing"),
+                Role::Standby => {
+                    tracing::warn!(reason = ?why, "this controller is now standby: it observes and serves status, acts on nothing")
+                }
             }
         }
         self.role = role;
@@ -646,7 +667,9 @@ pub async fn run(
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
     if opts.dry_run {
-        tracing::warn!("dry run: the controller observes and plans, logs what it would do, and does nothing");
+        tracing::warn!(
+            "dry run: the controller observes and plans, logs what it would do, and does nothing"
+        );
     }
     let cloud = Gated::new(cloud, Some(lock.clone()));
     let broker = Gated::new(broker, Some(lock.clone()));

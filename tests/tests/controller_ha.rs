@@ -211,8 +211,10 @@ async fn of_two_controllers_one_acts_and_the_standby_takes_over_after_kill_9() -
     // Servers never heartbeat here: a long boot timeout keeps them booting.
     let pool = "boot_timeout_secs = 3600";
     let a = start_ctl(&sim, dir.path(), 1, &cluster, &url, pool, &[])?;
-    a.wait_status("A leader", Duration::from_secs(30), |s| is_role(s, "leader"))
-        .await?;
+    a.wait_status("A leader", Duration::from_secs(30), |s| {
+        is_role(s, "leader")
+    })
+    .await?;
     let b = start_ctl(&sim, dir.path(), 2, &cluster, &url, pool, &[])?;
     let sb = b
         .wait_status("B standby", Duration::from_secs(30), |s| {
@@ -250,11 +252,15 @@ async fn of_two_controllers_one_acts_and_the_standby_takes_over_after_kill_9() -
     // the lock at once.
     let t0 = Instant::now();
     a.guard.signal(nix::sys::signal::Signal::SIGKILL);
-    b.wait_status("B leader", Duration::from_secs(30), |s| is_role(s, "leader"))
-        .await?;
+    b.wait_status("B leader", Duration::from_secs(30), |s| {
+        is_role(s, "leader")
+    })
+    .await?;
     let takeover = t0.elapsed().as_secs_f64();
     let bound = 2.0 * INTERVAL + f64::from(AMQP_HEARTBEAT);
-    println!("takeover after kill -9: {takeover:.2} s (bound 2 x interval + heartbeat = {bound:.1} s)");
+    println!(
+        "takeover after kill -9: {takeover:.2} s (bound 2 x interval + heartbeat = {bound:.1} s)"
+    );
     ensure!(takeover <= bound, "takeover {takeover:.2} s > {bound} s");
     // The new leader adopts A's servers: no duplicate, no orphan.
     b.wait_cycles(5).await?;
@@ -280,8 +286,7 @@ async fn of_two_controllers_one_acts_and_the_standby_takes_over_after_kill_9() -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
-async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_starts() -> Result<()>
-{
+async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_starts() -> Result<()> {
     if !require_root() {
         return Ok(());
     }
@@ -298,8 +303,10 @@ async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_star
     // replaced again and again, so the leader acts all the time.
     let pool = "boot_timeout_secs = 2\nbreaker_failures = 1000\nboot_backoff_base_secs = 0.1\nboot_backoff_cap_secs = 0.2\ncooldown_secs = 0";
     let a = start_ctl(&sim, dir.path(), 1, &cluster, &via_proxy, pool, &[])?;
-    a.wait_status("A leader", Duration::from_secs(30), |s| is_role(s, "leader"))
-        .await?;
+    a.wait_status("A leader", Duration::from_secs(30), |s| {
+        is_role(s, "leader")
+    })
+    .await?;
     let b = start_ctl(&sim, dir.path(), 2, &cluster, &direct, pool, &[])?;
     b.wait_status("B standby", Duration::from_secs(30), |s| {
         is_role(s, "standby")
@@ -312,7 +319,11 @@ async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_star
         if m.iter().filter(|x| x.method == "DELETE").count() >= 2 {
             break;
         }
-        ensure!(Instant::now() < deadline, "A never deleted: {m:?}; log:\n{}", a.log());
+        ensure!(
+            Instant::now() < deadline,
+            "A never deleted: {m:?}; log:\n{}",
+            a.log()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ensure!(mutations(&sim).await?.iter().all(|x| x.pid == a.pid()));
@@ -342,10 +353,7 @@ async fn a_leader_partitioned_from_the_broker_stops_acting_before_the_other_star
         a_last - partition_at,
         b_first - partition_at
     );
-    ensure!(
-        a_last < b_first,
-        "A acted after B's first action: {m:?}"
-    );
+    ensure!(a_last < b_first, "A acted after B's first action: {m:?}");
     // RabbitMQ closes a silent connection 2 to 3 heartbeat timeouts after
     // its last frame (measured here); then one cycle and the proof bound.
     let bound = 2.0 * INTERVAL + 4.0 * f64::from(AMQP_HEARTBEAT);
@@ -430,8 +438,11 @@ async fn a_dry_run_logs_what_it_would_do_and_does_nothing() -> Result<()> {
         "boot_timeout_secs = 3600",
         &["--dry-run"],
     )?;
-    c.wait_status("leader", Duration::from_secs(30), |s| is_role(s, "leader"))
-        .await?;
+    // A dry run never takes the lock: it keeps no controller from acting.
+    c.wait_status("standby", Duration::from_secs(30), |s| {
+        is_role(s, "standby")
+    })
+    .await?;
     c.wait_cycles(5).await?;
     let s = c.status().await.context("status")?;
     ensure!(s["dry_run"] == true, "{s}");
