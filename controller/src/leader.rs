@@ -431,6 +431,9 @@ impl<B: BrokerApi> BrokerApi for Gated<B> {
     async fn registered_agents(&self) -> Result<Vec<(String, String)>, AmqpError> {
         self.inner.registered_agents().await
     }
+    async fn take_demand(&self, on: bool) {
+        self.inner.take_demand(on).await
+    }
     async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
         self.check()
             .await

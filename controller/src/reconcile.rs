@@ -392,6 +392,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
         }
         self.role = role;
+        self.broker.take_demand(role == Role::Leader).await;
         status::show_role(&self.status, &self.metrics, role, why.as_deref());
     }
 
@@ -663,7 +664,8 @@ pub async fn run(
         cfg.pools.keys().cloned().collect(),
     )
     .with_job_table(jobs.clone(), cfg.jobs.keep_completed_secs)
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .without_demand();
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
     if opts.dry_run {

@@ -169,12 +169,17 @@ fn start_ctl(
     let agent_url = broker_url(Role::Agent)?;
     let port = free_port()?;
     let cfg = dir.join(format!("controller-{n}.toml"));
+    let min = if pool_extra.contains("min = ") {
+        String::new()
+    } else {
+        format!("min = {SIZE}\n")
+    };
     std::fs::write(
         &cfg,
         format!(
             "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:{port}\"\ninterval_secs = {INTERVAL}\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\nheartbeat_secs = {AMQP_HEARTBEAT}\n[openstack]\ncloud = \"cloudsim\"\n\
-             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = {SIZE}\nmax = {SIZE}\n{pool_extra}\n"
+             [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\n{min}max = {SIZE}\n{pool_extra}\n"
         ),
     )?;
     let log = dir.join(format!("controller-{n}.log"));
@@ -457,6 +462,85 @@ async fn a_dry_run_logs_what_it_would_do_and_does_nothing() -> Result<()> {
         log.contains(&format!("dry run: would boot {SIZE} server(s)")),
         "the log names what would have been done:\n{log}"
     );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_standby_leaves_bridge_demand_to_the_leader() -> Result<()> {
+    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use vq_common::messages::{Demand, Message};
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path()).await?;
+    let cluster = unique_cluster();
+    let url = broker_url(Role::Controller)?;
+    // The test holds the lock: both controllers start as standbys.
+    let (lock_conn, lock_ch) =
+        vq_tests::harness::connect_role(&shared_broker()?, Role::Controller, "test-lock").await?;
+    lock_ch
+        .queue_declare(
+            format!("{cluster}.controller.lock").as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let pool = "min = 0\nboot_timeout_secs = 3600";
+    let a = start_ctl(&sim, dir.path(), 1, &cluster, &url, pool, &[])?;
+    let b = start_ctl(&sim, dir.path(), 2, &cluster, &url, pool, &[])?;
+    for c in [&a, &b] {
+        c.wait_status("standby", Duration::from_secs(30), |s| {
+            is_role(s, "standby")
+        })
+        .await?;
+        c.wait_cycles(3).await?;
+    }
+    let demand = Demand {
+        schema: vq_common::messages::SCHEMA_VERSION,
+        pool: POOL.into(),
+        queued: 5,
+        running: 0,
+        at: vq_common::messages::unix_now(),
+        source: "test-bridge".into(),
+    };
+    lock_ch
+        .basic_publish(
+            format!("{cluster}.demand").as_str().into(),
+            "".into(),
+            BasicPublishOptions::default(),
+            &demand.encode(),
+            lapin::BasicProperties::default(),
+        )
+        .await?
+        .await?;
+    a.wait_cycles(5).await?;
+    let tb = vq_tests::harness::TestBroker::connect(&cluster, &[POOL]).await?;
+    let left = tb.queue_len(&format!("{cluster}.demand")).await?;
+    ensure!(left == 1, "no standby consumed the demand: {left} left");
+    // The lock freed, the new leader takes the demand and boots for it.
+    let _ = lock_conn.close(200, "done".into()).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (servers, _) = sim_servers(&sim).await?;
+        if servers.len() as u64 == SIZE {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the leader never booted for the demand; A:\n{}\nB:\n{}",
+            a.log(),
+            b.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ensure!(tb.queue_len(&format!("{cluster}.demand")).await? == 0);
     sim.shutdown().await;
     Ok(())
 }
