@@ -18,6 +18,7 @@ pub mod backoff;
 pub mod breaker;
 pub mod broker;
 pub mod dead_watch;
+pub mod deletes;
 pub mod error;
 pub mod events;
 pub mod fence;

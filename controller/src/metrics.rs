@@ -93,6 +93,9 @@ pub struct Metrics {
     pub pool_breaker_open: Family<Labels, Gauge>,
     /// The pool's consecutive boot failures.
     pub pool_boot_failures: Family<Labels, Gauge>,
+    /// Servers of the pool still listed `delete_timeout_secs` after the
+    /// controller's first `DELETE`.
+    pub pool_servers_stuck_deleting: Family<Labels, Gauge>,
 }
 
 /// The agent states of `vq_pool_agents{state}`.
@@ -235,6 +238,7 @@ impl Metrics {
             pool_agents: Family::default(),
             pool_slots: Family::default(),
             pool_breaker_open: Family::default(),
+            pool_servers_stuck_deleting: Family::default(),
             pool_boot_failures: Family::default(),
         };
         m.build_info
@@ -382,6 +386,11 @@ impl Metrics {
             "vq_pool_slots",
             "Job slots of the pool's live agents, free or used (absent while unobserved)",
             m.pool_slots.clone(),
+        );
+        registry.register(
+            "vq_pool_servers_stuck_deleting",
+            "Servers of the pool still listed delete_timeout_secs after the controller's first DELETE (Nova accepted it and did not act)",
+            m.pool_servers_stuck_deleting.clone(),
         );
         registry.register(
             "vq_pool_breaker_open",

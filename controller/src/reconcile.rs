@@ -20,6 +20,7 @@ use crate::act::{act, PoolRef};
 use crate::backoff::{PoolBackoff, POOL_BACKOFF};
 use crate::breaker::Breakers;
 use crate::broker::Broker;
+use crate::deletes::{Decision as DeleteDecision, Deletes};
 use crate::error::{ActError, CloudError, ObserveError, RunError};
 use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
@@ -104,6 +105,8 @@ pub struct Controller<C, B> {
     memory: PoolMemory,
     /// Each pool's boot-failure backoff and circuit breaker.
     breakers: Breakers,
+    /// Each pool's deletes in flight (polled, re-sent rarely, flagged).
+    deletes: BTreeMap<String, Deletes>,
     /// When this controller first saw each agent registry entry: an agent
     /// is judged by the registry only after a whole heartbeat timeout in it
     /// (a new agent registers before its first heartbeat).
@@ -151,6 +154,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             backoff,
             memory: PoolMemory::default(),
             breakers: Breakers::default(),
+            deletes: BTreeMap::new(),
             registry_first_seen: BTreeMap::new(),
             refusals: Refusals::default(),
             timings: Timings::default(),
@@ -454,6 +458,29 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         breaker.observe(now, &observed.servers, &classes);
         observed.boot_gate = breaker.gate(now);
         let planned = plan(&observed, &pool_cfg, timing);
+        // Deletes in flight: a server a complete listing no longer shows
+        // is gone; one still listed is polled, not deleted again at once.
+        let deletes = self.deletes.entry(name.to_string()).or_default();
+        for (server, secs) in deletes.observe(observed.servers.iter().map(|s| s.id.as_str()), now) {
+            tracing::info!(pool = %name, server = %server, secs_after_first_delete = secs, "deleted server is gone");
+        }
+        let actions: Vec<_> = planned
+            .actions
+            .iter()
+            .filter(|a| match a {
+                crate::plan::Action::Delete { server_id, name: server, .. } => {
+                    match deletes.decide(server_id, now) {
+                        DeleteDecision::Send => true,
+                        DeleteDecision::Poll { secs_left } => {
+                            tracing::debug!(pool = %name, server = %server, secs_left, "delete sent, server still listed: polling");
+                            false
+                        }
+                    }
+                }
+                _ => true,
+            })
+            .cloned()
+            .collect();
         for h in &planned.held {
             tracing::info!(pool = %name, reason = %h, "held back");
         }
@@ -483,8 +510,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             return Turn::Planned;
         }
         let acting_since = Instant::now();
-        let report = act(pool, &planned.actions, &self.cloud, &self.broker).await;
+        let report = act(pool, &actions, &self.cloud, &self.broker).await;
         let created_at = Instant::now();
+        self.note_deletes(name, &pool_cfg, &actions, &report, created_at);
         for (server, id) in &report.created {
             self.memory
                 .created_watch
@@ -534,6 +562,40 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             deleted: report.deleted.len() as u32,
             failure: report.errors.into_iter().next(),
         }
+    }
+
+    /// Records the deletes Nova accepted in this turn, warns about re-sends
+    /// and servers that will not go, and shows the latter in `/status`.
+    fn note_deletes(
+        &mut self,
+        pool: &str,
+        pool_cfg: &vq_common::config::PoolConfig,
+        actions: &[crate::plan::Action],
+        report: &crate::act::ActReport,
+        now: Instant,
+    ) {
+        let deletes = self.deletes.entry(pool.to_string()).or_default();
+        let retry = Duration::from_secs_f64(pool_cfg.delete_retry_secs);
+        for (server, _) in &report.deleted {
+            let id = actions.iter().find_map(|a| match a {
+                crate::plan::Action::Delete {
+                    server_id, name, ..
+                } if name == server => Some(server_id),
+                _ => None,
+            });
+            if let Some(id) = id {
+                let sent = deletes.sent(id, server, retry, now);
+                if sent > 1 {
+                    tracing::warn!(pool = %pool, server = %server, deletes_sent = sent, "server still listed after its delete was accepted: DELETE sent again");
+                }
+            }
+        }
+        let timeout = Duration::from_secs_f64(pool_cfg.delete_timeout_secs);
+        let (stuck, newly) = deletes.stuck(timeout, now);
+        for s in &newly {
+            tracing::warn!(pool = %pool, server = %s.server, server_id = %s.server_id, since_secs = s.since_secs, deletes_sent = s.deletes_sent, "server will not go: still listed after delete_timeout_secs ({} s); DELETE is re-sent at a backoff", pool_cfg.delete_timeout_secs);
+        }
+        status::show_stuck_deletes(&self.status, &self.metrics, pool, stuck);
     }
 
     /// The fence step of a cycle ([`fence::fence_step`]): marks the agents

@@ -160,6 +160,10 @@ pub struct PoolStatus {
     /// ERROR or stuck in BUILD; 0 after a boot that reached ACTIVE).
     #[serde(default)]
     pub boot_failures: u32,
+    /// Servers still listed `delete_timeout_secs` after this controller's
+    /// first `DELETE` ([`crate::deletes`]); empty when none.
+    #[serde(default)]
+    pub stuck_deletes: Vec<crate::deletes::StuckDelete>,
     /// Whether the pool's last observation succeeded (its counts are
     /// current); `false` before the first one and while it fails.
     #[serde(default)]
@@ -641,6 +645,25 @@ pub fn show_breaker(
         ps.obstacle = gate.reason();
         ps.obstacle_kind = gate.kind().map(str::to_string);
     }
+}
+
+/// Shows the pool's servers that will not go ([`crate::deletes`]) in
+/// `/status` and `vq_pool_servers_stuck_deleting`.
+pub fn show_stuck_deletes(
+    status: &RwLock<StatusReport>,
+    metrics: &Metrics,
+    pool: &str,
+    stuck: Vec<crate::deletes::StuckDelete>,
+) {
+    metrics
+        .pool_servers_stuck_deleting
+        .get_or_create(&Metrics::pool(pool))
+        .set(stuck.len() as i64);
+    write(status)
+        .pools
+        .entry(pool.to_string())
+        .or_default()
+        .stuck_deletes = stuck;
 }
 
 /// Sets [`StatusReport::broker_access_refused`] after a cycle that

@@ -31,7 +31,12 @@ fn served_names() -> BTreeSet<String> {
     ] {
         h.get_or_create(&cms).observe(1.0);
     }
-    for g in [&m.pool_queued, &m.pool_running, &m.pool_target] {
+    for g in [
+        &m.pool_queued,
+        &m.pool_running,
+        &m.pool_target,
+        &m.pool_servers_stuck_deleting,
+    ] {
         g.get_or_create(&cms).set(1);
     }
     for g in [&m.pool_vms, &m.pool_agents, &m.pool_slots] {

@@ -439,3 +439,97 @@ async fn controller_once_exits_non_zero_when_its_only_cycle_failed() -> Result<(
         .await;
     Ok(())
 }
+
+/// `DELETE` requests the test cloud answered.
+async fn sim_delete_requests(sim: &SimHandle) -> Result<u64> {
+    let v = get_json(&format!("{}/_sim/servers", sim.base_url())).await?;
+    v["delete_requests_total"]
+        .as_u64()
+        .context("delete_requests_total")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn a_delete_that_does_nothing_is_polled_not_repeated_and_flagged_after_its_deadline(
+) -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let sim = start_sim(dir.path(), |_| {}).await?;
+    // The pool's one server goes to ERROR, and the breaker (one failure)
+    // stops further boots: what is left is deleting that server, and the
+    // cloud answers every DELETE with 204 and does nothing.
+    sim_faults(
+        &sim,
+        serde_json::json!({"create_error_rate": 1.0, "ignore_deletes": true}),
+    )
+    .await?;
+    let ctl = start_controller_with(
+        &sim,
+        dir,
+        "",
+        "breaker_failures = 1\nbreaker_open_secs = 3600.0\ndelete_retry_secs = 2.0\ndelete_timeout_secs = 3.0",
+    )?;
+    let flagged = ctl
+        .wait_status(
+            "the stuck delete to be flagged",
+            Duration::from_secs(60),
+            |p| p["stuck_deletes"].as_array().is_some_and(|a| !a.is_empty()),
+        )
+        .await?;
+    let servers = sim_servers(&sim).await?;
+    ensure!(servers.len() == 1, "servers: {servers:?}");
+    let name = servers[0]["name"].as_str().context("name")?.to_string();
+    let stuck = &flagged["stuck_deletes"][0];
+    ensure!(
+        stuck["server"] == name.as_str() && stuck["deletes_sent"].as_u64() >= Some(1),
+        "the stuck delete does not name {name}: {flagged}"
+    );
+    // 40 cycles (12 s at 0.3 s): without polling each cycle sends DELETE
+    // again; with it, re-sends back off from delete_retry_secs (2, 4, 8 s).
+    ctl.wait_cycles(40).await?;
+    let deletes = sim_delete_requests(&sim).await?;
+    eprintln!("delete that does nothing: {deletes} DELETE requests in 40 cycles (retry base 2 s)");
+    ensure!(
+        (1..=5).contains(&deletes),
+        "{deletes} DELETE requests in 40 cycles:\n{}",
+        ctl.log()
+    );
+    let metrics = http()
+        .get(ctl.status_url.replace("/status", "/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        metrics.contains(&format!(
+            "vq_pool_servers_stuck_deleting{{pool=\"{POOL}\"}} 1"
+        )),
+        "no vq_pool_servers_stuck_deleting 1 in /metrics:\n{metrics}"
+    );
+    ensure!(
+        ctl.log().contains("will not go"),
+        "the log does not flag the server:\n{}",
+        ctl.log()
+    );
+    // The cloud acts again: the next re-sent DELETE removes it and the
+    // flag clears.
+    sim_faults(&sim, serde_json::json!({"ignore_deletes": false})).await?;
+    ctl.wait_status("the server to go", Duration::from_secs(60), |p| {
+        p["stuck_deletes"].as_array().is_some_and(|a| a.is_empty())
+    })
+    .await?;
+    ensure!(
+        sim_servers(&sim).await?.is_empty(),
+        "the server is still there"
+    );
+    let cluster = ctl.cluster.clone();
+    drop(ctl);
+    sim.shutdown().await;
+    TestBroker::connect(&cluster, &[POOL])
+        .await?
+        .cleanup()
+        .await;
+    Ok(())
+}

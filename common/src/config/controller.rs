@@ -62,6 +62,15 @@ pub struct PoolConfig {
     /// Seconds the open circuit breaker stops the pool's boots before it
     /// half-opens for one trial boot.
     pub breaker_open_secs: f64,
+    /// Seconds after a `DELETE` that Nova accepted before the controller
+    /// sends it again for a server that is still listed (Nova deletes
+    /// asynchronously: meanwhile it polls the listing); the delay doubles
+    /// with each re-send, jittered, up to 16 × this.
+    pub delete_retry_secs: f64,
+    /// Seconds after the first `DELETE` after which a server that is still
+    /// listed is flagged as not going (log, `/status` `stuck_deletes`,
+    /// `vq_pool_servers_stuck_deleting`).
+    pub delete_timeout_secs: f64,
 }
 
 impl Default for PoolConfig {
@@ -85,6 +94,8 @@ impl Default for PoolConfig {
             boot_backoff_cap_secs: 600.0,
             breaker_failures: 5,
             breaker_open_secs: 1800.0,
+            delete_retry_secs: 30.0,
+            delete_timeout_secs: 600.0,
         }
     }
 }
@@ -340,6 +351,14 @@ impl ControllerConfig {
                     pool.breaker_open_secs
                 ));
             }
+            for (key, v) in [
+                ("delete_retry_secs", pool.delete_retry_secs),
+                ("delete_timeout_secs", pool.delete_timeout_secs),
+            ] {
+                if !positive(v) {
+                    p.push(format!("{k}.{key}: {v} must be positive"));
+                }
+            }
             if let Some(t) = &pool.user_data_template {
                 if !t.is_file() {
                     p.push(format!(
@@ -398,6 +417,8 @@ mod tests {
         );
         assert!(check("breaker_failures = 0").is_some());
         assert!(check("breaker_open_secs = 0.0").is_some());
+        assert!(check("delete_retry_secs = 0.0").is_some());
+        assert!(check("delete_timeout_secs = -1.0").is_some());
     }
 
     #[test]

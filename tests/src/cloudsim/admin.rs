@@ -75,6 +75,12 @@ pub struct Faults {
     /// a repeated `next` link that never ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeated_next_link: Option<bool>,
+    /// While true, `DELETE /servers/{id}` answers 204 and does nothing:
+    /// the server stays listed as it was (a delete lost in a cell, a
+    /// compute host that never acts on it). Setting it to false lets the
+    /// next delete work.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_deletes: Option<bool>,
     /// Failure rules; a POST appends its rules to the pending ones.
     #[serde(default)]
     pub fail_next: Vec<FailRule>,
@@ -114,7 +120,12 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
             })
         })
         .collect();
-    axum::Json(json!({ "servers": list, "created_total": inner.created_total })).into_response()
+    axum::Json(json!({
+        "servers": list,
+        "created_total": inner.created_total,
+        "delete_requests_total": inner.delete_requests_total,
+    }))
+    .into_response()
 }
 
 /// Every create and delete request received, oldest first:
@@ -165,6 +176,9 @@ async fn post_faults(State(state): State<Arc<SimState>>, body: Bytes) -> Respons
     }
     if update.repeated_next_link.is_some() {
         inner.faults.repeated_next_link = update.repeated_next_link;
+    }
+    if update.ignore_deletes.is_some() {
+        inner.faults.ignore_deletes = update.ignore_deletes;
     }
     inner.faults.fail_next.extend(update.fail_next);
     if update.expire_tokens_now == Some(true) {

@@ -1068,13 +1068,21 @@ async fn delete_server(
 ) -> Result<Response, NovaFault> {
     let agent = {
         let mut inner = state.lock();
+        let ignore = inner.faults.ignore_deletes == Some(true);
         let s = inner
             .servers
             .get_mut(&id)
             .ok_or_else(|| NovaFault::not_found(&id))?;
-        if s.deleting {
+        let deleting = s.deleting;
+        inner.delete_requests_total += 1;
+        if ignore {
+            tracing::info!(server_id = %id, "fault: delete answered 204 and ignored");
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
+        if deleting {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        let s = inner.servers.get_mut(&id).expect("looked up above");
         s.deleting = true;
         s.updated = SystemTime::now();
         s.agent.clone()

@@ -164,6 +164,9 @@ pub(crate) struct Inner {
     /// Every create and delete request received (`/_sim/requests`), in
     /// arrival order.
     pub mutations: Vec<Mutation>,
+    /// `DELETE /servers/{id}` requests answered 204 (shown by
+    /// `/_sim/servers` as `delete_requests_total`).
+    pub delete_requests_total: u64,
 }
 
 impl Inner {
