@@ -200,12 +200,17 @@ impl Leadership {
         }
         let s = guard.as_mut().expect("session");
         if s.channel.as_ref().is_none_or(|c| !c.status().connected()) {
-            let ch = s
-                .conn
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel for the controller lock: {e}"))?;
-            s.channel = Some(ch);
+            match s.conn.create_channel().await {
+                Ok(ch) => s.channel = Some(ch),
+                Err(e) => {
+                    // A fresh connection next cycle (a refused declare
+                    // closes its channel: a standby opens one per try).
+                    *guard = None;
+                    return Err(format!(
+                        "cannot open a channel for the controller lock: {e}"
+                    ));
+                }
+            }
         }
         let ch = s.channel.clone().expect("channel");
         let declared = amqp::bounded("declare the controller lock", self.bound, async {
@@ -226,12 +231,9 @@ impl Leadership {
                 let now = Instant::now();
                 let mut st = self.state();
                 st.held = true;
-                // Seen held by another within a proof bound or so: that one
-                // may still be finishing its last proven action.
-                st.act_from = st
-                    .seen_other
-                    .filter(|t| now.duration_since(*t) <= self.bound * 4)
-                    .map(|_| now + self.bound);
+                // Seen held by another: that one may still be finishing its
+                // last proven action.
+                st.act_from = st.seen_other.map(|_| now + self.bound);
                 tracing::info!(
                     lock = %self.queue,
                     wait_secs = st.act_from.map_or(0.0, |t| (t - now).as_secs_f64()),
