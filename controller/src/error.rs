@@ -72,6 +72,16 @@ pub enum CloudError {
         /// What went wrong (none found, several found).
         detail: String,
     },
+    /// Not sent: this controller could not prove it holds the controller
+    /// lock right before the request ([`crate::leader`]); another one may
+    /// act. Transient: it acts again once it holds the lock.
+    #[error("{op} not sent: this controller is not the acting one ({why})")]
+    NotLeader {
+        /// The request not sent, e.g. `create server`.
+        op: String,
+        /// Why the lock is not proven.
+        why: String,
+    },
 }
 
 impl CloudError {
@@ -79,7 +89,7 @@ impl CloudError {
     /// token was already renewed once), 409, 413, 429 and 5xx.
     pub fn is_transient(&self) -> bool {
         match self {
-            CloudError::Transport { .. } => true,
+            CloudError::Transport { .. } | CloudError::NotLeader { .. } => true,
             CloudError::Status { status, .. } => {
                 matches!(status, 401 | 409 | 413 | 429)
                     || (500..600).contains(status)

@@ -24,6 +24,7 @@ pub mod events;
 pub mod fence;
 pub mod http;
 pub mod jobs;
+pub mod leader;
 pub mod metrics;
 pub mod observe;
 pub mod openstack;

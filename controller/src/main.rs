@@ -26,6 +26,12 @@ struct Args {
     /// Run one reconcile cycle and exit.
     #[arg(long)]
     once: bool,
+    /// Observe and plan, log what would be done (boots, drain asks,
+    /// deletes, with their reasons: "dry run: would …"), and do nothing
+    /// that changes the cloud or the agents (no create, delete, control
+    /// message, fence). Combine with `--once` for a single plan.
+    #[arg(long)]
+    dry_run: bool,
     /// Seconds the controller may take to stop after the first SIGTERM or
     /// SIGINT (finish the cycle in flight without acting, close the broker
     /// connection); then it exits anyway. A second signal exits at once.
@@ -151,6 +157,7 @@ fn main() -> ExitCode {
     let opts = RunOptions {
         once: args.once,
         shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+        dry_run: args.dry_run,
     };
     let result = runtime.block_on(async move {
         let shutdown = CancellationToken::new();

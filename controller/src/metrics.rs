@@ -61,6 +61,11 @@ pub struct Metrics {
     pub boot_failures: Family<Labels, Counter<u64, AtomicU64>>,
     /// Broker connections re-established after a lost one.
     pub broker_reconnects: Counter<u64, AtomicU64>,
+    /// 1 while this controller holds the controller lock and acts, 0 while
+    /// it is standby ([`crate::leader`]).
+    pub controller_leader: Gauge,
+    /// Times this controller became leader or stopped being it.
+    pub leadership_changes: Counter<u64, AtomicU64>,
     /// Job ends heard on the events exchange per pool, outcome and reason
     /// ([`job_end_labels`]).
     pub jobs_ended: Family<Labels, Counter<u64, AtomicU64>>,
@@ -239,6 +244,8 @@ impl Metrics {
             cloud_requests: Family::default(),
             boot_failures: Family::default(),
             broker_reconnects: Counter::default(),
+            controller_leader: Gauge::default(),
+            leadership_changes: Counter::default(),
             jobs_ended: Family::default(),
             jobs_dead_lettered: Family::default(),
             reconcile_duration: Family::new_with_constructor(reconcile_histogram),
@@ -339,6 +346,16 @@ impl Metrics {
             "vq_broker_reconnects",
             "Broker connections re-established after a lost one",
             m.broker_reconnects.clone(),
+        );
+        registry.register(
+            "vq_controller_leader",
+            "1 while this controller holds the controller lock and acts, 0 while standby",
+            m.controller_leader.clone(),
+        );
+        registry.register(
+            "vq_controller_leadership_changes",
+            "Times this controller became leader or stopped being it",
+            m.leadership_changes.clone(),
         );
         registry.register(
             "vq_jobs_ended",
@@ -643,6 +660,8 @@ mod tests {
             ("vq_cloud_requests", "counter"),
             ("vq_boot_failures", "counter"),
             ("vq_broker_reconnects", "counter"),
+            ("vq_controller_leader", "gauge"),
+            ("vq_controller_leadership_changes", "counter"),
             ("vq_jobs_ended", "counter"),
             ("vq_jobs_dead_lettered", "counter"),
             ("vq_reconcile_duration_seconds", "histogram"),

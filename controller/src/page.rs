@@ -236,6 +236,26 @@ fn header(h: &mut String, r: &StatusReport) {
         }
         h.push_str("</ul></div>");
     }
+    match r.role {
+        crate::leader::Role::Leader => {
+            h.push_str("<p class=\"state ok\" id=\"role\">Role: leader (this controller acts)</p>")
+        }
+        crate::leader::Role::Standby => {
+            let _ = write!(
+                h,
+                "<p class=\"state err\" id=\"role\">Role: standby (read-only: another controller acts or none can){}</p>",
+                r.standby_reason
+                    .as_deref()
+                    .map(|w| format!(": {}", escape(w)))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    if r.dry_run {
+        h.push_str(
+            "<p class=\"state err\" id=\"dry-run\">Dry run: plans are logged, nothing is done</p>",
+        );
+    }
     let broker = if r.broker_connected {
         "connected"
     } else {

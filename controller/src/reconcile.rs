@@ -24,8 +24,10 @@ use crate::deletes::{Decision as DeleteDecision, Deletes};
 use crate::error::{ActError, CloudError, ObserveError, RunError};
 use crate::fence::{self, FenceView};
 use crate::http::{AppState, Metrics};
+use crate::leader::{Gated, Leadership, Role};
 use crate::observe::{observe_pool, observe_world, NoWorld, PoolMemory, World};
 use crate::openstack::{CloudApi, Credentials, HttpCloud};
+use crate::plan::Action;
 use crate::plan::{classify, plan, Timing};
 use crate::policy::{error_policy, CycleError, Refusals};
 use crate::status::{self, PoolFailure, PoolStatus, Reach, StatusReport};
@@ -114,6 +116,14 @@ pub struct Controller<C, B> {
     /// Boots and asks being timed for the histograms.
     timings: Timings,
     started: Instant,
+    /// The controller lock (`None`: this controller always acts, as in the
+    /// unit tests' fakes).
+    lock: Option<Arc<Leadership>>,
+    /// The role of the last cycle.
+    role: Role,
+    /// `--dry-run`: observe, plan and log what would be done; act on
+    /// nothing.
+    dry_run: bool,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
     /// Metrics.
@@ -149,7 +159,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             refusals: Refusals::default(),
             timings: Timings::default(),
             started: Instant::now(),
-            status: Arc::new(RwLock::new(status)),
+            lock: None,
+            role: Role::Leader,
+            dry_run: false,
+            status: Arc::new(RwLock::new(StatusReport {
+                role: Role::Leader,
+                ..status
+            })),
             metrics: Arc::new(Metrics::new()),
         }
     }
@@ -159,6 +175,48 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = metrics;
         self
+    }
+
+    /// Acts only while holding `lock` (standby otherwise: observes, plans
+    /// and serves status).
+    pub fn with_leadership(mut self, lock: Arc<Leadership>) -> Self {
+        self.lock = Some(lock);
+        self.role = Role::Standby;
+        status::show_role(
+            &self.status,
+            &self.metrics,
+            Role::Standby,
+            Some("not tried yet"),
+        );
+        self
+    }
+
+    /// `--dry-run`: plans are logged ("dry run: would …", with the
+    /// reasons), nothing is created, deleted, asked or fenced.
+    /// A dry-run controller never takes the controller lock (it must not
+    /// keep a production controller from acting): it is standby.
+    pub fn with_dry_run(mut self, dry_run: bool) -> Self {
+        self.dry_run = dry_run;
+        self.status
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .dry_run = dry_run;
+        if dry_run {
+            self.lock = None;
+            self.role = Role::Standby;
+            status::show_role(
+                &self.status,
+                &self.metrics,
+                Role::Standby,
+                Some("dry run: plans only, never takes the controller lock"),
+            );
+        }
+        self
+    }
+
+    /// The role of the last cycle.
+    pub fn role(&self) -> Role {
+        self.role
     }
 
     /// The cloud client.
@@ -227,6 +285,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         if ready.is_empty() {
             return summary;
         }
+        // First, on its own connection: a partitioned leader shows it is
+        // standby at once, even while the observation below waits.
+        self.leadership_step().await;
         let world = observe_world(
             &self.cloud,
             &self.broker,
@@ -268,9 +329,10 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
         };
         let mut quota = world.quota_remaining;
+        let acting = self.role == Role::Leader && !self.dry_run;
         for pool in ready {
             let turn_started = Instant::now();
-            let turn = self.pool_turn(&pool, &world, quota, shutdown).await;
+            let turn = self.pool_turn(&pool, &world, quota, shutdown, acting).await;
             self.metrics
                 .reconcile_duration
                 .get_or_create(&Metrics::pool(&pool))
@@ -306,10 +368,36 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
                 }
             }
         }
-        if !shutdown.is_cancelled() {
+        if !shutdown.is_cancelled() && acting {
             summary.fenced = self.fence_lost(&world).await;
+        } else if self.dry_run {
+            tracing::debug!(
+                "dry run: no fencing step (no lease is returned, no fence mark written)"
+            );
         }
         summary
+    }
+
+    /// Proves or takes the controller lock; publishes the role (status,
+    /// metrics) and logs a change.
+    async fn leadership_step(&mut self) {
+        let Some(lock) = self.lock.clone() else {
+            return;
+        };
+        let role = lock.step().await;
+        let why = (role == Role::Standby).then(|| lock.why_standby());
+        if role != self.role {
+            self.metrics.leadership_changes.inc();
+            match role {
+                Role::Leader => tracing::info!("this controller is now the leader: it acts"),
+                Role::Standby => {
+                    tracing::warn!(reason = ?why, "this controller is now standby: it observes and serves status, acts on nothing")
+                }
+            }
+        }
+        self.role = role;
+        self.broker.take_demand(role == Role::Leader).await;
+        status::show_role(&self.status, &self.metrics, role, why.as_deref());
     }
 
     /// One pool's turn: observe it (with `quota` instances left), plan,
@@ -320,6 +408,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         world: &World,
         quota: Option<u32>,
         shutdown: &CancellationToken,
+        acting: bool,
     ) -> Turn {
         let now = world.clock.now;
         let pool_cfg = self.cfg.pools[name].clone();
@@ -415,6 +504,16 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             }
             return Turn::Planned;
         }
+        if !acting {
+            for a in &planned.actions {
+                if self.dry_run {
+                    tracing::info!(pool = %name, action = a.kind(), what = %describe(a), reason = %a.reason(), "dry run: would {}", describe(a));
+                } else {
+                    tracing::debug!(pool = %name, action = a.kind(), reason = %a.reason(), "standby: not acting");
+                }
+            }
+            return Turn::Planned;
+        }
         let acting_since = Instant::now();
         let report = act(pool, &actions, &self.cloud, &self.broker).await;
         let created_at = Instant::now();
@@ -446,7 +545,9 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             // A full quota is a temporary stop of the cloud, not a failing
             // boot: the breaker does not count it.
             let quota = matches!(failed, Some(ActError::Create { source, .. }) if source.is_quota_exceeded());
-            if !quota {
+            // Nor is a create not sent because the lock was lost.
+            let not_leader = matches!(failed, Some(ActError::Create { source, .. }) if matches!(**source, CloudError::NotLeader { .. }));
+            if !quota && !not_leader {
                 let what = failed
                     .map(|e| vq_common::error::chain(e))
                     .unwrap_or_else(|| "create failed".into());
@@ -534,6 +635,23 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
     }
 }
 
+/// What `action` would do, for the dry-run log: `boot 2 server(s)`,
+/// `ask agent X to drain for deletion`, `delete server NAME (ID)`.
+pub fn describe(action: &Action) -> String {
+    match action {
+        Action::Boot { count, .. } => format!("boot {count} server(s)"),
+        Action::AskDelete {
+            agent, server_id, ..
+        } => format!("ask agent {agent} (server {server_id}) whether its VM may be deleted"),
+        Action::Delete {
+            server_id,
+            name,
+            cause,
+            ..
+        } => format!("delete server {name} ({server_id}, {cause:?})"),
+    }
+}
+
 /// Options of [`run`].
 #[derive(Debug, Clone, Copy)]
 pub struct RunOptions {
@@ -541,6 +659,9 @@ pub struct RunOptions {
     pub once: bool,
     /// The shutdown deadline ([`SHUTDOWN_GRACE`] by default).
     pub shutdown_grace: Duration,
+    /// `--dry-run`: observe and plan, log what would be done, do nothing
+    /// that changes the cloud or the agents.
+    pub dry_run: bool,
 }
 
 impl Default for RunOptions {
@@ -548,6 +669,7 @@ impl Default for RunOptions {
         RunOptions {
             once: false,
             shutdown_grace: SHUTDOWN_GRACE,
+            dry_run: false,
         }
     }
 }
@@ -580,6 +702,7 @@ pub async fn run(
         }
     };
     let metrics = Arc::new(Metrics::new());
+    let lock = Arc::new(Leadership::new(cfg.broker.clone(), &cfg.cluster));
     let cloud = HttpCloud::new(creds, microversion)
         .map_err(RunError::HttpClient)?
         .with_metrics(metrics.clone());
@@ -615,10 +738,21 @@ pub async fn run(
         query_other_jobs: cfg.jobs.query_other_jobs,
         operators: cfg.jobs.operators.clone(),
     })
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .without_demand();
     let interval = Duration::from_secs_f64(cfg.interval_secs);
     let listen = cfg.listen.clone();
-    let mut ctl = Controller::new(cfg, cloud, broker).with_metrics(metrics);
+    if opts.dry_run {
+        tracing::warn!(
+            "dry run: the controller observes and plans, logs what it would do, and does nothing"
+        );
+    }
+    let cloud = Gated::new(cloud, Some(lock.clone()));
+    let broker = Gated::new(broker, Some(lock.clone()));
+    let mut ctl = Controller::new(cfg, cloud, broker)
+        .with_metrics(metrics)
+        .with_leadership(lock.clone())
+        .with_dry_run(opts.dry_run);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|source| RunError::Listen {
@@ -659,7 +793,8 @@ pub async fn run(
                 break;
             }
         }
-        ctl.broker().close().await;
+        lock.release().await;
+        ctl.broker().inner().close().await;
         http_stop.cancel();
         match (&mut http).await {
             Ok(Err(e)) => tracing::warn!(error = %e, "status endpoint failed"),

@@ -109,6 +109,18 @@ pub struct StatusReport {
     /// (0 = none yet).
     #[serde(default)]
     pub last_cycle_at: f64,
+    /// `leader` (holds the controller lock and acts) or `standby` (observes
+    /// and serves status only), as of the last cycle ([`crate::leader`]).
+    #[serde(default)]
+    pub role: crate::leader::Role,
+    /// Why this controller is standby (another holds the lock, the lock
+    /// cannot be proven, taking over), `null` while leader.
+    #[serde(default)]
+    pub standby_reason: Option<String>,
+    /// Whether the controller runs with `--dry-run` (plans and logs, acts
+    /// on nothing).
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 /// One pool's state as seen in the last successful observation.
@@ -550,12 +562,31 @@ pub fn show_connections(status: &RwLock<StatusReport>, metrics: &Metrics, reach:
 /// as the pool waiting out its backoff.
 pub const NOT_READY_AFTER_FAILURES: u32 = 3;
 
+/// Shows `role` (and, while standby, `why`) on `/status` and in
+/// `vq_controller_leader`.
+pub fn show_role(
+    status: &RwLock<StatusReport>,
+    metrics: &Metrics,
+    role: crate::leader::Role,
+    why: Option<&str>,
+) {
+    let mut s = status.write().unwrap_or_else(|p| p.into_inner());
+    s.role = role;
+    s.standby_reason = why.map(str::to_string);
+    metrics
+        .controller_leader
+        .set(i64::from(role == crate::leader::Role::Leader));
+}
+
 /// Why the controller is not ready, one reason per entry (empty: ready).
 /// Ready means: a cycle has run, the broker is connected and refused no
 /// permission nor blocks publishing, the cloud answered the last server
 /// listing, and the last cycle of every pool succeeded or is inside its
 /// backoff: failed with a transient error fewer than
 /// [`NOT_READY_AFTER_FAILURES`] times in a row.
+/// A standby controller is ready: ready means serving `/status`,
+/// `/metrics` and `/jobs`, which a standby does (its role is in `/status`,
+/// not a readiness reason).
 pub fn readiness(report: &StatusReport) -> Vec<String> {
     let mut reasons = Vec::new();
     if report.last_cycle_at <= 0.0 {

@@ -141,6 +141,7 @@ impl BrokerApi for FakeBroker {
     /// As the real one: every lease of `agent` back to its pool (this fake
     /// has no job bodies: all count as rerunnable), the lease queue, the
     /// registry entry and the fence entry gone.
+    async fn take_demand(&self, _on: bool) {}
     async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
         self.fenced
             .lock()

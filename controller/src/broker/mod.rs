@@ -54,6 +54,9 @@ struct Session {
     conn: Connection,
     channel: Channel,
     tasks: Vec<JoinHandle<()>>,
+    /// The demand consumer and its channel, while this controller takes
+    /// demand ([`Broker::take_demand`]).
+    demand: Option<(JoinHandle<()>, Channel)>,
 }
 
 /// The controller's broker client.
@@ -73,6 +76,10 @@ pub struct Broker {
     /// Who sees which job in `vq stat`'s queries; `None`: queries are not
     /// answered (no table).
     job_queries: Option<Arc<vq_common::jobs::Visibility>>,
+    /// Whether this controller consumes `<c>.demand` (the leader only:
+    /// the queue is single-active-consumer, and a standby holding the
+    /// active slot would take the leader's bridge demand).
+    demand_on: AtomicBool,
 }
 
 impl std::fmt::Debug for Broker {
@@ -98,6 +105,42 @@ impl Broker {
             connected_once: AtomicBool::new(false),
             jobs: None,
             job_queries: None,
+            demand_on: AtomicBool::new(true),
+        }
+    }
+
+    /// Starts without consuming demand (a controller that must first take
+    /// the controller lock, [`crate::leader`]); [`Broker::take_demand`]
+    /// turns it on.
+    pub fn without_demand(self) -> Self {
+        self.demand_on.store(false, Ordering::Relaxed);
+        self
+    }
+
+    /// Consumes the demand queue (`on`, the leader) or stops consuming it
+    /// (a standby: cancels the consumer by closing its channel, so that
+    /// the broker makes the leader's consumer the active one). Takes
+    /// effect at once when connected, else with the next session.
+    pub async fn take_demand(&self, on: bool) {
+        if self.demand_on.swap(on, Ordering::Relaxed) == on {
+            return;
+        }
+        let mut guard = self.session.lock().await;
+        let Some(s) = guard.as_mut() else { return };
+        if on {
+            if s.demand.is_none() && s.conn.status().connected() {
+                match self.start_demand(&s.conn).await {
+                    Ok(d) => s.demand = Some(d),
+                    Err(e) => {
+                        tracing::warn!(error = %vq_common::error::chain(&e), "cannot consume demand; retried with the next session");
+                        // The next health check reconnects.
+                        s.tasks.push(tokio::spawn(async {}));
+                    }
+                }
+            }
+        } else if let Some((task, ch)) = s.demand.take() {
+            task.abort();
+            let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "standby".into())).await;
         }
     }
 
@@ -149,11 +192,15 @@ impl Broker {
             if s.conn.status().connected()
                 && s.channel.status().connected()
                 && !s.tasks.iter().any(JoinHandle::is_finished)
+                && !s.demand.as_ref().is_some_and(|(t, _)| t.is_finished())
             {
                 return Ok(());
             }
             tracing::warn!("broker connection or channel lost; reconnecting");
             for t in &s.tasks {
+                t.abort();
+            }
+            if let Some((t, _)) = &s.demand {
                 t.abort();
             }
             let _ =
@@ -175,7 +222,11 @@ impl Broker {
         )
         .await?;
         let events = self.start_events(&conn).await?;
-        let demand = self.start_demand(&conn).await?;
+        let demand = if self.demand_on.load(Ordering::Relaxed) {
+            Some(self.start_demand(&conn).await?)
+        } else {
+            None
+        };
         let dead = self.start_dead_watch(&conn).await?;
         let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
         {
@@ -190,7 +241,7 @@ impl Broker {
         if self.connected_once.swap(true, Ordering::Relaxed) {
             self.metrics.broker_reconnects.inc();
         }
-        let mut tasks = vec![events, demand, alarms, dead];
+        let mut tasks = vec![events, alarms, dead];
         if let Some((jobs, keep)) = &self.jobs {
             // The table is secondary to acting: a session whose stream
             // consumer cannot start acts anyway, and /jobs says why.
@@ -225,6 +276,7 @@ impl Broker {
             conn,
             channel,
             tasks,
+            demand,
         });
         Ok(())
     }
@@ -255,7 +307,10 @@ impl Broker {
         )))
     }
 
-    async fn start_demand(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
+    async fn start_demand(
+        &self,
+        conn: &Connection,
+    ) -> Result<(JoinHandle<()>, Channel), AmqpError> {
         let ch = conn
             .create_channel()
             .await
@@ -263,7 +318,10 @@ impl Broker {
         let consumer =
             consume_acked(&ch, &self.topo.demand_queue(), "vq-controller-demand", 100).await?;
         let shared = self.shared.clone();
-        Ok(tokio::spawn(consume_demand(consumer, shared, ch)))
+        Ok((
+            tokio::spawn(consume_demand(consumer, shared, ch.clone())),
+            ch,
+        ))
     }
 
     async fn start_dead_watch(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
@@ -413,6 +471,9 @@ impl Broker {
             for t in &s.tasks {
                 t.abort();
             }
+            if let Some((t, _)) = &s.demand {
+                t.abort();
+            }
             // A blocked connection (broker alarm) does not read our close.
             match tokio::time::timeout(
                 OP_TIMEOUT,
@@ -485,6 +546,9 @@ pub trait BrokerApi: Messenger {
         agent: &str,
         loss_limit: u32,
     ) -> impl Future<Output = Result<FenceReport, AmqpError>> + Send;
+    /// Consumes bridge demand (the leader) or not (a standby), see
+    /// [`crate::broker::Broker::take_demand`].
+    fn take_demand(&self, on: bool) -> impl Future<Output = ()> + Send;
 }
 
 impl BrokerApi for Broker {
@@ -511,6 +575,9 @@ impl BrokerApi for Broker {
     }
     async fn fence(&self, agent: &str, loss_limit: u32) -> Result<FenceReport, AmqpError> {
         Broker::fence(self, agent, loss_limit).await
+    }
+    async fn take_demand(&self, on: bool) {
+        Broker::take_demand(self, on).await
     }
 }
 

@@ -189,7 +189,13 @@ impl HttpCloud {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(60))
-            .user_agent(concat!("vq-controller/", env!("CARGO_PKG_VERSION")))
+            // The pid tells the cloud's API log which of several
+            // controllers (one leader, standbys) sent a request.
+            .user_agent(format!(
+                "vq-controller/{} (pid {})",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ))
             .build()?;
         Ok(HttpCloud {
             client,

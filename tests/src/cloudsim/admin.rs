@@ -94,6 +94,7 @@ pub(crate) fn router(state: Arc<SimState>) -> Router {
     Router::new()
         .route("/_sim/servers", get(servers))
         .route("/_sim/faults", get(get_faults).post(post_faults))
+        .route("/_sim/requests", get(requests))
         .with_state(state)
 }
 
@@ -125,6 +126,12 @@ async fn servers(State(state): State<Arc<SimState>>) -> Response {
         "delete_requests_total": inner.delete_requests_total,
     }))
     .into_response()
+}
+
+/// Every create and delete request received, oldest first:
+/// `{"requests": [{"at", "method", "path", "user_agent"}]}`.
+async fn requests(State(state): State<Arc<SimState>>) -> Response {
+    axum::Json(json!({ "requests": state.lock().mutations })).into_response()
 }
 
 async fn get_faults(State(state): State<Arc<SimState>>) -> Response {
@@ -196,6 +203,25 @@ pub(crate) async fn inject_faults(
     let path = req.uri().path().to_string();
     let hit = {
         let mut inner = state.lock();
+        let servers = path.trim_end_matches('/').ends_with("/servers");
+        if (method == "POST" && servers) || (method == "DELETE" && path.contains("/servers/")) {
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            let user_agent = req
+                .headers()
+                .get(axum::http::header::USER_AGENT)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            inner.mutations.push(super::state::Mutation {
+                at,
+                method: method.clone(),
+                path: path.clone(),
+                user_agent,
+            });
+        }
         let rules = &mut inner.faults.fail_next;
         let found = rules.iter().position(|r| {
             (r.method == "*" || r.method.eq_ignore_ascii_case(&method))

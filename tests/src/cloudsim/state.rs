@@ -161,6 +161,9 @@ pub(crate) struct Inner {
     pub faults: Faults,
     /// Servers ever created (shown by `/_sim/servers` as `created_total`).
     pub created_total: u64,
+    /// Every create and delete request received (`/_sim/requests`), in
+    /// arrival order.
+    pub mutations: Vec<Mutation>,
     /// `DELETE /servers/{id}` requests answered 204 (shown by
     /// `/_sim/servers` as `delete_requests_total`).
     pub delete_requests_total: u64,
@@ -225,4 +228,18 @@ impl SimState {
             super::vm::power_off(&agent);
         }
     }
+}
+
+/// One create (`POST …/servers`) or delete (`DELETE …/servers/{id}`)
+/// request as the sim received it, before any injected fault.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Mutation {
+    /// Unix seconds of arrival.
+    pub at: f64,
+    /// `POST` or `DELETE`.
+    pub method: String,
+    /// The request path.
+    pub path: String,
+    /// The client's `User-Agent` (vq-controller puts its pid in it).
+    pub user_agent: String,
 }
