@@ -99,6 +99,8 @@ pub struct Metrics {
     /// Jobs the controller returned to their pool queue, by pool and
     /// reason (`node-lost`: their agent's server is gone).
     pub jobs_requeued: Family<Labels, Counter<u64, AtomicU64>>,
+    /// Queued → started of each job's first start, per pool.
+    pub job_wait: Family<Labels, Histogram, fn() -> Histogram>,
     /// Run time of finished jobs (the agent's `usage.wall_secs`), per pool.
     pub job_run: Family<Labels, Histogram, fn() -> Histogram>,
     /// Unix time at which the current Keystone token expires (0: none yet).
@@ -262,6 +264,7 @@ impl Metrics {
             jobs_requeued: Family::default(),
             pool_obstacle: Family::default(),
             job_run: Family::new_with_constructor(job_run_histogram),
+            job_wait: Family::new_with_constructor(job_run_histogram),
             cloud_credential_expiry: Family::default(),
             pool_boot_failures: Family::default(),
         };
@@ -422,6 +425,12 @@ impl Metrics {
             m.jobs_requeued.clone(),
         );
         registry.register_with_unit(
+            "vq_job_wait_duration",
+            "Time from a job's queued event to its first started event, per pool (jobs whose queued event the job table saw, once it is caught up)",
+            Unit::Seconds,
+            m.job_wait.clone(),
+        );
+        registry.register_with_unit(
             "vq_job_run_duration",
             "Run time of finished jobs (the agent's measured wall time), per pool",
             Unit::Seconds,
@@ -530,6 +539,11 @@ impl Metrics {
                 .get_or_create(&Self::pool_and(pool, "kind", k))
                 .set(i64::from(Some(k) == kind));
         }
+    }
+
+    /// Observes a job of `pool` that waited `secs` from queued to started.
+    pub fn job_waited(&self, pool: &str, secs: f64) {
+        self.job_wait.get_or_create(&Self::pool(pool)).observe(secs);
     }
 
     /// Counts a job `pool` returned to its queue for `reason`.

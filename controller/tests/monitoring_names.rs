@@ -29,6 +29,7 @@ fn served_names() -> BTreeSet<String> {
         &m.boot_heartbeat,
         &m.drain_handshake,
         &m.job_run,
+        &m.job_wait,
     ] {
         h.get_or_create(&cms).observe(1.0);
     }

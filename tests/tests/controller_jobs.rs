@@ -227,6 +227,56 @@ async fn the_job_table_follows_the_stream_is_rebuilt_by_a_new_controller_and_nee
         start_controller_on_empty_cloud_with(&url, &cluster, POOL, "info", &listen, &extra).await?;
     wait_jobs(&client, &base, "", "the rebuilt table", both).await?;
 
+    // The rebuilt (caught-up: /jobs answers) table did not observe the
+    // replayed start again; a new first start is observed once, from its
+    // queued event's time.
+    let wait_count = |text: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "vq_job_wait_duration_seconds_count{{pool=\"{POOL}\"}} "
+                ))
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let metrics = || async {
+        anyhow::Ok(
+            client
+                .get(format!("{base}/metrics"))
+                .send()
+                .await?
+                .text()
+                .await?,
+        )
+    };
+    ensure!(wait_count(&metrics().await?) == 0, "replay observed");
+    let start = JobEvent::about(
+        Some(&waits),
+        &waits.id,
+        POOL,
+        "agent-2",
+        Some(&submitter),
+        JobState::Started,
+    )
+    .of_submission(&waits.encode());
+    amqp::publish_confirmed(
+        &broker.ch,
+        &topo.events_exchange(),
+        &job_event_key(POOL, "started"),
+        &start.encode(),
+        amqp::event_properties(&start),
+        false,
+        Duration::from_secs(10),
+    )
+    .await?;
+    wait_jobs(&client, &base, "", "waits R", |v| {
+        letter(v, &waits.id).as_deref() == Some("R")
+    })
+    .await?;
+    let text = metrics().await?;
+    ensure!(wait_count(&text) == 1, "no job wait observed:\n{text}");
+
     drop(ctl);
     broker.cleanup().await;
     Ok(())

@@ -245,7 +245,15 @@ impl Broker {
         if let Some((jobs, keep)) = &self.jobs {
             // The table is secondary to acting: a session whose stream
             // consumer cannot start acts anyway, and /jobs says why.
-            match crate::jobs::feed::start(&conn, &self.topo, jobs.clone(), *keep).await {
+            match crate::jobs::feed::start(
+                &conn,
+                &self.topo,
+                jobs.clone(),
+                *keep,
+                self.metrics.clone(),
+            )
+            .await
+            {
                 Ok(task) => tasks.push(task),
                 Err(e) => {
                     let why = format!(

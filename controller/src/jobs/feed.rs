@@ -46,7 +46,10 @@ pub type SharedJobs = Arc<RwLock<JobsView>>;
 
 /// Starts following the stream on `conn`: the table in `jobs` is emptied
 /// and rebuilt from the stream's first message; ended jobs are forgotten
-/// `keep_completed_secs` after their end.
+/// `keep_completed_secs` after their end. Once the table is caught up,
+/// each job's first start is observed in `metrics`'
+/// `vq_job_wait_duration_seconds` (queued → started, from the two events'
+/// times; a replayed stream after a reconnect is not observed again).
 ///
 /// # Errors
 /// [`AmqpError`] if the channel or the consumer cannot be opened.
@@ -55,6 +58,7 @@ pub async fn start(
     topo: &Topology,
     jobs: SharedJobs,
     keep_completed_secs: f64,
+    metrics: Arc<crate::metrics::Metrics>,
 ) -> Result<tokio::task::JoinHandle<()>, AmqpError> {
     let ch = conn
         .create_channel()
@@ -76,10 +80,32 @@ pub async fn start(
         ch,
         jobs,
         keep_completed_secs,
+        metrics,
     )))
 }
 
-async fn follow(mut consumer: lapin::Consumer, _ch: Channel, jobs: SharedJobs, keep: f64) {
+/// Seconds `ev` (a job's first `started`, just applied to `table`) came
+/// after the job's `queued` event; `None` for any other event, a rerun, or
+/// a job whose `queued` event the table has not seen.
+fn first_start_wait(table: &vq_common::jobs::JobTable, ev: &JobEvent) -> Option<f64> {
+    if !matches!(ev.state, vq_common::messages::JobState::Started) || ev.attempt > 1 {
+        return None;
+    }
+    let r = table.get(&ev.job_id)?;
+    if r.started_at != Some(ev.at) || r.submission != ev.submission {
+        return None;
+    }
+    let wait = ev.at - r.queued_at?;
+    wait.is_finite().then_some(wait.max(0.0))
+}
+
+async fn follow(
+    mut consumer: lapin::Consumer,
+    _ch: Channel,
+    jobs: SharedJobs,
+    keep: f64,
+    metrics: Arc<crate::metrics::Metrics>,
+) {
     let mut unacked: Option<lapin::Acker> = None;
     let mut pending = 0u32;
     let mut last_expiry = tokio::time::Instant::now();
@@ -128,11 +154,17 @@ async fn follow(mut consumer: lapin::Consumer, _ch: Channel, jobs: SharedJobs, k
             .as_ref()
             .map(|m| m.as_str());
         match JobEvent::decode_delivered(&delivery.data, delivery.routing_key.as_str(), user_id) {
-            Ok(ev) => jobs
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .table
-                .apply(&ev, message_id),
+            Ok(ev) => {
+                let mut v = jobs.write().unwrap_or_else(|p| p.into_inner());
+                let before = v.table.events_applied;
+                v.table.apply(&ev, message_id);
+                let new = v.table.events_applied > before;
+                if new && v.complete {
+                    if let Some(wait) = first_start_wait(&v.table, &ev) {
+                        metrics.job_waited(&ev.pool, wait);
+                    }
+                }
+            }
             Err(e) => {
                 tracing::debug!(routing_key = %delivery.routing_key, error = %e, "job table: skipping an event")
             }
