@@ -162,6 +162,11 @@ pub fn build_job(
         ctx.is_dir,
     ));
     job.env = environment(&d, ctx, &pool, &mut warnings);
+    warnings.extend(script_warnings(
+        text,
+        job.shell.as_deref(),
+        &ctx.login_shell,
+    ));
 
     let size = job.encode().len();
     if size > MAX_JOB_MESSAGE_BYTES {
@@ -171,6 +176,82 @@ pub fn build_job(
         });
     }
     Ok(Built { job, warnings })
+}
+
+/// Shell that runs a job without `-S` when the owner has no login shell
+/// (the agent's `FALLBACK_SHELL`).
+const FALLBACK_SHELL: &str = "/bin/sh";
+
+/// Shells that run a POSIX `sh` script as `sh` would.
+const POSIX_SHELLS: [&str; 6] = ["sh", "bash", "dash", "ksh", "mksh", "zsh"];
+
+/// Warnings about the script text itself:
+/// - CRLF line endings (sbatch refuses such scripts: the shell sees a `\r`
+///   at the end of every command);
+/// - a `#!` interpreter line that the job will not honour: as with Torque,
+///   the agent hands the script to the `-S` shell or else the owner's login
+///   shell (`login_shell`, [`FALLBACK_SHELL`] when empty), so `#!` is a
+///   comment. A `#!/bin/sh` script run by a POSIX shell
+///   ([`POSIX_SHELLS`]) is not warned about.
+pub fn script_warnings(text: &str, shell: Option<&str>, login_shell: &str) -> Vec<Warning> {
+    let mut out = Vec::new();
+    if let Some(i) = text.split('\n').position(|l| l.ends_with('\r')) {
+        out.push(Warning {
+            line: Some(i + 1),
+            message: "the script has DOS line endings (CRLF): the shell will see a \\r at the end \
+                      of every line; convert it with `dos2unix` (sbatch refuses such scripts)"
+                .into(),
+        });
+    }
+    let Some(interp) = text
+        .split('\n')
+        .next()
+        .map(|l| l.trim_end_matches('\r'))
+        .and_then(|l| l.strip_prefix("#!"))
+    else {
+        return out;
+    };
+    let mut words = interp.split_whitespace();
+    let Some(first) = words.next() else {
+        return out;
+    };
+    let base = |p: &str| p.rsplit('/').next().unwrap_or(p).to_string();
+    let wanted = match base(first).as_str() {
+        // `#!/usr/bin/env python3`: the interpreter is env's argument.
+        "env" => match words.find(|w| !w.starts_with('-')) {
+            Some(w) => base(w),
+            None => return out,
+        },
+        b => b.to_string(),
+    };
+    let runner = match shell {
+        Some(s) => s,
+        None if login_shell.is_empty() => FALLBACK_SHELL,
+        None => login_shell,
+    };
+    let runs = base(runner);
+    let compatible = runs == wanted || (wanted == "sh" && POSIX_SHELLS.contains(&runs.as_str()));
+    if !compatible {
+        let by = if shell.is_some() {
+            "the -S shell"
+        } else {
+            "the owner's login shell; the #! line is a comment, as with Torque"
+        };
+        out.push(Warning {
+            line: Some(1),
+            message: format!(
+                "the script asks for {wanted:?} (#!{}) but will be run by {runner} ({by}); \
+                 use `-S {}` to run it with its interpreter",
+                interp.trim(),
+                if base(first) == "env" {
+                    wanted.clone()
+                } else {
+                    first.to_string()
+                }
+            ),
+        });
+    }
+    out
 }
 
 /// The job environment: `-V` copy, then `-v` variables, then `PBS_O_*`.
@@ -774,6 +855,77 @@ mod tests {
             compute.stderr.as_deref(),
             Some("/home/alice/work/compute.err")
         );
+    }
+
+    #[test]
+    fn crlf_line_endings_are_warned_about_with_the_first_line() {
+        let b = build_job(
+            b"#!/bin/bash\necho a\r\necho b\r\n",
+            "dos.sh",
+            Directives::default(),
+            &ctx(),
+        )
+        .unwrap();
+        let w: Vec<String> = b.warnings.iter().map(ToString::to_string).collect();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("line 2: "), "{w:?}");
+        assert!(w[0].contains("CRLF") && w[0].contains("dos2unix"), "{w:?}");
+        // Directives of a CRLF script do not keep the carriage return.
+        let b = build_job(
+            b"#PBS -N dos\r\n#PBS -l walltime=60\r\necho a\r\n",
+            "dos.sh",
+            Directives::default(),
+            &ctx(),
+        )
+        .unwrap();
+        assert_eq!(b.job.name, "dos");
+        assert_eq!(b.job.walltime, Some(60));
+    }
+
+    #[test]
+    fn an_interpreter_line_the_shell_will_not_honour_is_warned_about() {
+        let py = b"#!/usr/bin/env python3\nprint('hi')\n";
+        let b = build_job(py, "p.py", Directives::default(), &ctx()).unwrap();
+        let w: Vec<String> = b.warnings.iter().map(ToString::to_string).collect();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("line 1: "), "{w:?}");
+        assert!(
+            w[0].contains("python3") && w[0].contains("/bin/bash") && w[0].contains("-S"),
+            "{w:?}"
+        );
+        // With -S naming the interpreter, nothing to say.
+        let b = build_job(
+            py,
+            "p.py",
+            flags(&[('S', Some("/usr/bin/python3"))]),
+            &ctx(),
+        )
+        .unwrap();
+        assert!(b.warnings.is_empty(), "{:?}", b.warnings);
+        // A POSIX sh script run by bash is fine; a bash script run by csh is not.
+        let sh = b"#!/bin/sh\necho hi\n";
+        assert!(build_job(sh, "s", Directives::default(), &ctx())
+            .unwrap()
+            .warnings
+            .is_empty());
+        let mut csh = ctx();
+        csh.login_shell = "/bin/tcsh".into();
+        let b = build_job(b"#!/bin/bash\necho hi\n", "s", Directives::default(), &csh).unwrap();
+        assert_eq!(b.warnings.len(), 1, "{:?}", b.warnings);
+        // No login shell: the agent falls back to /bin/sh.
+        let mut none = ctx();
+        none.login_shell = String::new();
+        let b = build_job(b"#!/bin/bash\necho hi\n", "s", Directives::default(), &none).unwrap();
+        assert!(
+            b.warnings[0].to_string().contains("/bin/sh"),
+            "{:?}",
+            b.warnings
+        );
+        // No #! line: nothing to compare.
+        assert!(build_job(b"echo hi\n", "s", Directives::default(), &csh)
+            .unwrap()
+            .warnings
+            .is_empty());
     }
 
     #[test]
