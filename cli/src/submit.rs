@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use vq_common::amqp::{self, AmqpError};
 use vq_common::messages::{
-    Job, JobEvent, Message, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES, SCHEMA_VERSION,
+    job_shell, Job, JobEvent, Message, MAX_JOB_MESSAGE_BYTES, MAX_SCRIPT_BYTES, SCHEMA_VERSION,
 };
 use vq_common::pbs::{self, Directives, VarValue, Warning};
 use vq_common::topology::{job_event_key, Topology};
@@ -178,10 +178,6 @@ pub fn build_job(
     Ok(Built { job, warnings })
 }
 
-/// Shell that runs a job without `-S` when the owner has no login shell
-/// (the agent's `FALLBACK_SHELL`).
-const FALLBACK_SHELL: &str = "/bin/sh";
-
 /// Shells that run a POSIX `sh` script as `sh` would.
 const POSIX_SHELLS: [&str; 6] = ["sh", "bash", "dash", "ksh", "mksh", "zsh"];
 
@@ -189,8 +185,8 @@ const POSIX_SHELLS: [&str; 6] = ["sh", "bash", "dash", "ksh", "mksh", "zsh"];
 /// - CRLF line endings (sbatch refuses such scripts: the shell sees a `\r`
 ///   at the end of every command);
 /// - a `#!` interpreter line that the job will not honour: as with Torque,
-///   the agent hands the script to the `-S` shell or else the owner's login
-///   shell (`login_shell`, [`FALLBACK_SHELL`] when empty), so `#!` is a
+///   the agent hands the script to [`job_shell`] (the `-S` shell, else the
+///   owner's login shell `login_shell`, else `/bin/sh`), so `#!` is a
 ///   comment. A `#!/bin/sh` script run by a POSIX shell
 ///   ([`POSIX_SHELLS`]) is not warned about.
 pub fn script_warnings(text: &str, shell: Option<&str>, login_shell: &str) -> Vec<Warning> {
@@ -216,19 +212,17 @@ pub fn script_warnings(text: &str, shell: Option<&str>, login_shell: &str) -> Ve
         return out;
     };
     let base = |p: &str| p.rsplit('/').next().unwrap_or(p).to_string();
-    let wanted = match base(first).as_str() {
-        // `#!/usr/bin/env python3`: the interpreter is env's argument.
-        "env" => match words.find(|w| !w.starts_with('-')) {
-            Some(w) => base(w),
+    // `#!/usr/bin/env python3`: the interpreter is env's argument, found on
+    // the PATH, so `-S` (an absolute path) cannot be given for certain.
+    let (wanted, absolute) = if base(first) == "env" {
+        match words.find(|w| !w.starts_with('-')) {
+            Some(w) => (base(w), None),
             None => return out,
-        },
-        b => b.to_string(),
+        }
+    } else {
+        (base(first), Some(first))
     };
-    let runner = match shell {
-        Some(s) => s,
-        None if login_shell.is_empty() => FALLBACK_SHELL,
-        None => login_shell,
-    };
+    let runner = job_shell(shell, login_shell);
     let runs = base(runner);
     let compatible = runs == wanted || (wanted == "sh" && POSIX_SHELLS.contains(&runs.as_str()));
     if !compatible {
@@ -241,12 +235,12 @@ pub fn script_warnings(text: &str, shell: Option<&str>, login_shell: &str) -> Ve
             line: Some(1),
             message: format!(
                 "the script asks for {wanted:?} (#!{}) but will be run by {runner} ({by}); \
-                 use `-S {}` to run it with its interpreter",
+                 use {} to run it with its interpreter",
                 interp.trim(),
-                if base(first) == "env" {
-                    wanted.clone()
-                } else {
-                    first.to_string()
+                match absolute {
+                    Some(path) => format!("`-S {path}`"),
+                    None =>
+                        format!("`-S` with the absolute path of {wanted} (`command -v {wanted}`)"),
                 }
             ),
         });
@@ -893,6 +887,10 @@ mod tests {
             w[0].contains("python3") && w[0].contains("/bin/bash") && w[0].contains("-S"),
             "{w:?}"
         );
+        assert!(
+            !w[0].contains("`-S python3`") && w[0].contains("absolute path of python3"),
+            "-S needs an absolute path: {w:?}"
+        );
         // With -S naming the interpreter, nothing to say.
         let b = build_job(
             py,
@@ -912,6 +910,11 @@ mod tests {
         csh.login_shell = "/bin/tcsh".into();
         let b = build_job(b"#!/bin/bash\necho hi\n", "s", Directives::default(), &csh).unwrap();
         assert_eq!(b.warnings.len(), 1, "{:?}", b.warnings);
+        assert!(
+            b.warnings[0].to_string().contains("`-S /bin/bash`"),
+            "{:?}",
+            b.warnings
+        );
         // No login shell: the agent falls back to /bin/sh.
         let mut none = ctx();
         none.login_shell = String::new();

@@ -43,6 +43,22 @@ pub const MAX_JOB_ID_BYTES: usize = 128;
 /// Largest accepted job message, in bytes (2 MiB: script plus environment).
 pub const MAX_JOB_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
 
+/// Shell used when neither the job (`-S`) nor the owner's passwd entry
+/// names one.
+pub const FALLBACK_SHELL: &str = "/bin/sh";
+
+/// The shell that runs a job: its `-S` shell ([`Job::shell`]), else the
+/// owner's login shell, else [`FALLBACK_SHELL`]; as with Torque, the
+/// script's `#!` line is not consulted. The agent applies this rule with
+/// the VM's passwd entry, `vq submit` with the submit host's to warn early.
+pub fn job_shell<'a>(shell: Option<&'a str>, login_shell: &'a str) -> &'a str {
+    match shell {
+        Some(s) => s,
+        None if login_shell.is_empty() => FALLBACK_SHELL,
+        None => login_shell,
+    }
+}
+
 fn schema_version() -> u32 {
     SCHEMA_VERSION
 }

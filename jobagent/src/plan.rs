@@ -18,8 +18,7 @@ use vq_common::messages::{Job, Join};
 use crate::error::Rejection;
 use crate::sys::Sys;
 
-/// Shell used when neither the job nor the owner's passwd entry names one.
-pub const FALLBACK_SHELL: &str = "/bin/sh";
+pub use vq_common::messages::FALLBACK_SHELL;
 
 /// Everything needed to start one job, decided before `fork`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,11 +231,7 @@ pub fn plan_job(
             problem: "is not an absolute path",
         });
     }
-    let shell = match &job.shell {
-        Some(s) => s.clone(),
-        None if user.shell.is_empty() => FALLBACK_SHELL.into(),
-        None => user.shell.clone(),
-    };
+    let shell = vq_common::messages::job_shell(job.shell.as_deref(), &user.shell).to_string();
     if !shell.starts_with('/') {
         return Err(Rejection::Shell {
             path: PathBuf::from(shell),
