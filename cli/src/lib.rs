@@ -17,6 +17,7 @@ pub mod control;
 pub mod error;
 pub mod events;
 pub mod pools;
+pub mod reply;
 pub mod settings;
 pub mod stat;
 pub mod submit;

@@ -14,17 +14,15 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
-use vq_common::amqp::{self, AmqpError};
+use vq_common::amqp;
 use vq_common::jobs::{answer, JobPage, JobQuery, JobRecord, State, Visibility, MAX_PAGE};
 use vq_common::messages::{unix_now, Message, SCHEMA_VERSION};
 use vq_common::pbs::format_walltime;
 use vq_common::topology::Topology;
 
-use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
+use crate::error::CliError;
 use crate::events::read_job_table;
+use crate::reply::{Replies, Sent};
 use crate::settings::Settings;
 
 /// How long `vq stat` waits for the controller's answer by default.
@@ -318,67 +316,7 @@ pub async fn ask_controller(
     timeout: Duration,
 ) -> Result<(Vec<JobRecord>, bool), CliError> {
     let topo = Topology::new(&settings.cluster);
-    let broker = |action: &str| {
-        let action = action.to_string();
-        move |source: AmqpError| CliError::Broker {
-            action,
-            source: Box::new(source),
-        }
-    };
-    let replies = topo.replies_exchange();
-    let ch = amqp::confirm_channel(conn)
-        .await
-        .map_err(broker("open a channel"))?;
-    let queue = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::op("declare a reply queue"))
-        .map_err(broker("ask the controller"))?;
-    let name = queue.name().clone();
-    if let Err(e) = ch
-        .queue_bind(
-            name.clone(),
-            replies.as_str().into(),
-            name.clone(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-    {
-        let e = AmqpError::Declare {
-            name: format!("binding {replies} -> {name}"),
-            source: e,
-        };
-        if amqp_reply_code(&e) == Some(NOT_FOUND) {
-            return Err(CliError::NoSuchCluster {
-                cluster: settings.cluster.clone(),
-                exchange: replies,
-            });
-        }
-        return Err(broker("bind the reply queue")(e));
-    }
-    let mut consumer = ch
-        .basic_consume(
-            name.clone(),
-            "vq-stat".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                exclusive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::op("consume the reply queue"))
-        .map_err(broker("ask the controller"))?;
+    let mut replies = Replies::open(conn, settings, "vq-stat").await?;
     let control = topo.control_exchange();
     let no_controller = |answered: bool| CliError::NoController {
         exchange: control.clone(),
@@ -389,51 +327,30 @@ pub async fn ask_controller(
     let mut rows = Vec::new();
     let mut complete = true;
     loop {
-        let correlation = uuid::Uuid::new_v4().to_string();
         let props = amqp::json_properties::<JobQuery>()
             .with_delivery_mode(1)
-            .with_user_id(settings.broker_user().as_str().into())
-            .with_reply_to(name.clone())
-            .with_correlation_id(correlation.as_str().into());
-        match amqp::publish_confirmed(
-            &ch,
-            &control,
-            &topo.job_query_key(),
-            &q.encode(),
-            props,
-            true,
-            timeout,
-        )
-        .await
-        {
-            Ok(()) => {}
-            Err(AmqpError::Unroutable { .. }) => return Err(no_controller(false)),
-            Err(e) if amqp_reply_code(&e) == Some(NOT_FOUND) => {
-                return Err(CliError::NoSuchCluster {
-                    cluster: settings.cluster.clone(),
-                    exchange: control,
-                })
-            }
-            Err(e) => return Err(broker("send the query to the controller")(e)),
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        let page = loop {
-            let d = match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Err(_) | Ok(None) => return Err(no_controller(true)),
-                Ok(Some(d)) => d
-                    .map_err(AmqpError::op("basic.deliver"))
-                    .map_err(broker("read the controller's answer"))?,
-            };
-            if d.properties.correlation_id().as_ref().map(|c| c.as_str())
-                != Some(correlation.as_str())
-            {
-                continue; // an answer to an earlier, timed-out query
-            }
-            break JobPage::decode(&d.data).map_err(|source| CliError::Decode {
-                what: "the controller's job page".into(),
-                source,
-            })?;
+            .with_user_id(settings.broker_user().as_str().into());
+        let sent = replies
+            .send(
+                &control,
+                &topo.job_query_key(),
+                &q.encode(),
+                props,
+                timeout,
+                "send the query to the controller",
+            )
+            .await?;
+        let Sent::Routed { correlation } = sent else {
+            return Err(no_controller(false));
         };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let Some(d) = replies.answer(&correlation, deadline).await? else {
+            return Err(no_controller(true));
+        };
+        let page = JobPage::decode(&d.data).map_err(|source| CliError::Decode {
+            what: "the controller's job page".into(),
+            source,
+        })?;
         if let Some(problem) = page.error {
             return Err(CliError::QueryRefused { problem });
         }
@@ -444,7 +361,7 @@ pub async fn ask_controller(
             _ => break,
         }
     }
-    let _ = ch.close(200, "done".into()).await;
+    replies.close().await;
     Ok((rows, complete))
 }
 
