@@ -206,6 +206,9 @@ pub struct StatArgs {
     /// Only jobs in these states: letters of Q R C F X, e.g. `Q,R`.
     #[arg(long = "state", value_name = "STATES")]
     pub state: Option<String>,
+    /// Only jobs of this pool (Torque's queue, `vq submit -q`).
+    #[arg(long = "pool", value_name = "POOL")]
+    pub pool: Option<String>,
     /// Show each job's comment (why it failed) below its line, as `qstat -s`.
     #[arg(short = 's', conflicts_with_all = ["full", "json"])]
     pub comments: bool,
@@ -287,6 +290,7 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                     all: args.all,
                     user: args.user,
                     states,
+                    pool: args.pool,
                     job_ids: args.job_ids,
                 },
                 layout,
