@@ -124,6 +124,9 @@ pub struct Controller<C, B> {
     /// `--dry-run`: observe, plan and log what would be done; act on
     /// nothing.
     dry_run: bool,
+    /// The job table, given each pool's pending reason after every cycle
+    /// (`None`: no table, as in the unit tests' fakes).
+    jobs: Option<crate::jobs::SharedJobs>,
     /// Status page contents.
     pub status: Arc<RwLock<StatusReport>>,
     /// Metrics.
@@ -162,6 +165,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             lock: None,
             role: Role::Leader,
             dry_run: false,
+            jobs: None,
             status: Arc::new(RwLock::new(StatusReport {
                 role: Role::Leader,
                 ..status
@@ -193,6 +197,13 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
 
     /// `--dry-run`: plans are logged ("dry run: would …", with the
     /// reasons), nothing is created, deleted, asked or fenced.
+    /// Gives each pool's pending reason to the queued jobs of `jobs`
+    /// after every cycle ([`crate::jobs::pending`]).
+    pub fn with_job_table(mut self, jobs: crate::jobs::SharedJobs) -> Self {
+        self.jobs = Some(jobs);
+        self
+    }
+
     /// A dry-run controller never takes the controller lock (it must not
     /// keep a production controller from acting): it is standby.
     pub fn with_dry_run(mut self, dry_run: bool) -> Self {
@@ -265,6 +276,17 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let ran = !(summary.ok.is_empty() && summary.failed.is_empty() && summary.held.is_empty());
         if ran {
             status::show_refused(&self.status, self.refusals.take());
+        }
+        if let Some(jobs) = &self.jobs {
+            let pending = {
+                let report = self.status.read().unwrap_or_else(|p| p.into_inner());
+                report
+                    .pools
+                    .iter()
+                    .map(|(name, p)| (name.clone(), crate::jobs::pending::pending_reason(p)))
+                    .collect()
+            };
+            jobs.write().unwrap_or_else(|p| p.into_inner()).pending = pending;
         }
         summary
     }
@@ -751,6 +773,7 @@ pub async fn run(
     let broker = Gated::new(broker, Some(lock.clone()));
     let mut ctl = Controller::new(cfg, cloud, broker)
         .with_metrics(metrics)
+        .with_job_table(jobs.clone())
         .with_leadership(lock.clone())
         .with_dry_run(opts.dry_run);
     let listener = tokio::net::TcpListener::bind(&listen)

@@ -131,6 +131,22 @@ async fn a_cancelled_queued_job_never_runs_and_shows_x_at_once() -> anyhow::Resu
     submit(&broker, sub, &doomed).await?;
     submit(&broker, sub, &after).await?;
     wait_letter(sub, &cluster, &after.id, "Q").await?;
+    // A queued job says why it waits: the pool's state after a cycle.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = stat_one(sub, &cluster, &after.id)?;
+        if r["reason"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("waiting"))
+        {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no pending reason: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // Somebody else may see it (or not) but never cancel it.
     let o = vq_as(&suite.untrusted, &cluster, &["cancel", &doomed.id])?;

@@ -39,6 +39,19 @@ pub struct JobsView {
     /// Why the table is not complete, for `/jobs`' 503 (`None` while
     /// catching up for the first time).
     pub stalled: Option<String>,
+    /// Why each pool's queued jobs wait, by pool
+    /// ([`super::pending::pending_reason`], set after every cycle).
+    pub pending: std::collections::BTreeMap<String, String>,
+}
+
+impl JobsView {
+    /// Gives `r`, if it is queued and has no reason of its own, its pool's
+    /// pending reason.
+    pub fn annotate(&self, r: &mut vq_common::jobs::JobRecord) {
+        if r.state == vq_common::jobs::State::Queued && r.reason.is_none() {
+            r.reason = self.pending.get(&r.pool).cloned();
+        }
+    }
 }
 
 /// Shared handle on the view.

@@ -170,7 +170,8 @@ async fn list(
         Err(e) => return text(StatusCode::BAD_REQUEST, e),
     };
     let v = api.jobs.read().unwrap_or_else(|p| p.into_inner());
-    let (jobs, next) = v.table.query(&filter, after, limit);
+    let (mut jobs, next) = v.table.query(&filter, after, limit);
+    jobs.iter_mut().for_each(|r| v.annotate(r));
     Json(serde_json::json!({
         "complete": v.complete,
         "jobs": jobs,
@@ -185,7 +186,10 @@ async fn one(State(api): State<JobsApi>, headers: HeaderMap, Path(id): Path<Stri
     }
     let v = api.jobs.read().unwrap_or_else(|p| p.into_inner());
     match v.table.get(&id) {
-        Some(r) => Json::<JobRecord>(r.clone()).into_response(),
+        Some(mut r) => {
+            v.annotate(&mut r);
+            Json::<JobRecord>(r).into_response()
+        }
         None => text(StatusCode::NOT_FOUND, format!("unknown job id {id:?}")),
     }
 }

@@ -2,10 +2,12 @@
 //! operator's view"): the fold itself is [`vq_common::jobs::table`] (the
 //! one copy, shared with the CLI); [`feed`] keeps it current from the event
 //! stream with every broker session, [`http`] serves it read-only at
-//! `/jobs`, [`queries`] answers `vq stat`'s queries over AMQP.
+//! `/jobs`, [`queries`] answers `vq stat`'s queries over AMQP, [`pending`]
+//! says why queued jobs wait.
 
 pub mod feed;
 pub mod http;
+pub mod pending;
 pub mod queries;
 pub mod slots;
 

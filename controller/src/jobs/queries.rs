@@ -150,7 +150,9 @@ impl Answerer {
     fn page(&self, user_id: Option<&str>, body: &[u8]) -> JobPage {
         let page: JobPage = {
             let v = self.jobs.read().unwrap_or_else(|p| p.into_inner());
-            answer(&v.table, v.complete, &self.vis, user_id, body)
+            let mut page = answer(&v.table, v.complete, &self.vis, user_id, body);
+            page.jobs.iter_mut().for_each(|r| v.annotate(r));
+            page
         };
         tracing::debug!(
             requester = user_id.unwrap_or("-"),
