@@ -183,8 +183,9 @@ fn main() -> ExitCode {
 /// `path` with its `VQ_CONTROLLER__*` overrides (every unknown key, value
 /// of the wrong type and bad value, the broker's TLS files) and the
 /// OpenStack credentials its `[openstack]` section names (clouds.yaml or
-/// `OS_*` read through `env`, password or application credential), all
-/// checked in one go.
+/// `OS_*` read through `env`, password or application credential, and
+/// their TLS files `cacert`, `cert`, `key`, read and parsed), all checked
+/// in one go.
 ///
 /// # Errors
 /// [`ConfigError::Invalid`] listing every problem; credentials problems
@@ -204,7 +205,12 @@ fn load_config(
     let mut creds = None;
     if !problems.iter().any(|p| p.starts_with("openstack.cloud")) {
         match Credentials::discover(&cfg.openstack, env) {
-            Ok(c) => creds = Some(c),
+            Ok(c) => {
+                if let Err(tls) = c.tls.load() {
+                    problems.extend(tls.into_iter().map(|p| format!("openstack: {p}")));
+                }
+                creds = Some(c);
+            }
             Err(e) => problems.push(format!("openstack: no usable credentials: {}", chain(&e))),
         }
     }
