@@ -29,6 +29,8 @@ pub(super) struct Session {
     pub(super) compute: String,
     /// The image endpoint, if the catalog has one.
     pub(super) image: Option<String>,
+    /// The network (Neutron) endpoint, if the catalog has one.
+    pub(super) network: Option<String>,
 }
 
 /// Less than this left on the application credential (seconds, a week)
@@ -316,6 +318,7 @@ impl HttpCloud {
                 }
             })?;
         let image = pick_endpoint(&body.token.catalog, "image", iface, region);
+        let network = pick_endpoint(&body.token.catalog, "network", iface, region);
         tracing::info!(
             origin = %self.creds.origin,
             compute = %compute,
@@ -335,6 +338,7 @@ impl HttpCloud {
             renew_at,
             compute,
             image,
+            network,
         })
     }
 

@@ -27,6 +27,7 @@ mod cgroup;
 mod compute;
 mod identity;
 mod image;
+mod network;
 mod state;
 mod timefmt;
 mod tls;
@@ -44,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 pub use admin::{FailRule, Faults};
 pub use compute::MAX_COMPUTE_MINOR;
 pub use image::{CIRROS_IMAGE_ID, WORKER_IMAGE_ID};
+pub use network::{KEYPAIR_NAME, NETWORK_ID, NETWORK_NAME};
 pub use tls::SimTls;
 pub use vm::{kill_process_tree, IDENTITY_PATH};
 
@@ -306,6 +308,7 @@ fn router(state: Arc<SimState>) -> Router {
         .merge(identity::router(state.clone()))
         .merge(compute::router(state.clone()))
         .merge(image::router(state.clone()))
+        .merge(network::router(state.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             admin::inject_faults,
