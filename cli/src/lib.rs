@@ -79,10 +79,13 @@ pub enum Command {
     Submit(Box<SubmitArgs>),
     /// Show jobs (from the controller's job table), like qstat.
     Stat(StatArgs),
-    /// Cancel a running job (owner or root only).
+    /// Cancel a queued or running job (its owner, its submitter or an operator), like qdel.
     Cancel {
         /// Job id, or a unique prefix of it.
         job_id: String,
+        /// Seconds to wait for the controller's answer.
+        #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+        timeout: f64,
     },
     /// Show pools: queued and running jobs, VMs and agents (from the controller).
     Pools,
@@ -203,6 +206,9 @@ pub struct StatArgs {
     /// Only jobs in these states: letters of Q R C F X, e.g. `Q,R`.
     #[arg(long = "state", value_name = "STATES")]
     pub state: Option<String>,
+    /// Only jobs of this pool (Torque's queue, `vq submit -q`).
+    #[arg(long = "pool", value_name = "POOL")]
+    pub pool: Option<String>,
     /// Show each job's comment (why it failed) below its line, as `qstat -s`.
     #[arg(short = 's', conflicts_with_all = ["full", "json"])]
     pub comments: bool,
@@ -250,6 +256,15 @@ pub fn resolve_settings(global: &GlobalArgs) -> Result<Settings, CliError> {
 /// [`CliError`]; its [`CliError::exit_code`] is the process exit code.
 pub async fn run(cli: Cli) -> Result<i32, CliError> {
     let settings = resolve_settings(&cli.global)?;
+    /// A `--timeout SECS` value, which must be a positive number.
+    fn timeout_secs(secs: f64) -> Result<std::time::Duration, CliError> {
+        if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+            return Err(CliError::Usage(format!(
+                "--timeout: {secs} is not a positive number of seconds"
+            )));
+        }
+        Ok(std::time::Duration::from_secs_f64(secs))
+    }
     match cli.command {
         Command::Submit(args) => {
             let flags = args.directives().map_err(CliError::Option)?;
@@ -260,12 +275,7 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                 Some(s) => stat::parse_states(s)?,
                 None => Vec::new(),
             };
-            if !(args.timeout.is_finite() && args.timeout > 0.0) {
-                return Err(CliError::Usage(format!(
-                    "--timeout: {} is not a positive number of seconds",
-                    args.timeout
-                )));
-            }
+            let timeout = timeout_secs(args.timeout)?;
             let layout = if args.json {
                 stat::Layout::Json
             } else if args.full {
@@ -280,15 +290,18 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                     all: args.all,
                     user: args.user,
                     states,
+                    pool: args.pool,
                     job_ids: args.job_ids,
                 },
                 layout,
                 from_stream: args.from_stream,
-                timeout: Some(std::time::Duration::from_secs_f64(args.timeout)),
+                timeout: Some(timeout),
             };
             stat::run(&settings, opts).await
         }
-        Command::Cancel { job_id } => control::run_cancel(&settings, &job_id).await,
+        Command::Cancel { job_id, timeout } => {
+            control::run_cancel(&settings, &job_id, timeout_secs(timeout)?).await
+        }
         Command::Pools => pools::run(&settings).await,
         Command::Drain { agent } => control::run_drain(&settings, &agent).await,
     }
