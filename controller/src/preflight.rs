@@ -234,3 +234,51 @@ pub async fn check_broker(cfg: &ControllerConfig) -> Vec<Problem> {
     broker.close().await;
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(pairs: &[(&str, &str)]) -> Vec<Named> {
+        pairs
+            .iter()
+            .map(|(id, name)| Named {
+                id: id.to_string(),
+                name: name.to_string(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_name_is_found_by_id_or_unique_name_and_a_miss_lists_what_there_is() {
+        let l = named(&[
+            ("2", "m1.small"),
+            ("1", "m1.tiny"),
+            ("3", "dup"),
+            ("4", "dup"),
+        ]);
+        assert_eq!(find(&l, "m1.small", "flavor", "demo"), Ok(()));
+        assert_eq!(find(&l, "1", "flavor", "demo"), Ok(()));
+        assert_eq!(
+            find(&l, "x1.huge", "flavor", "demo"),
+            Err("no flavor \"x1.huge\" in project demo (have: dup, m1.small, m1.tiny)".into())
+        );
+        assert_eq!(
+            find(&l, "dup", "flavor", "demo"),
+            Err("2 flavors are named \"dup\" in project demo; use its id".into())
+        );
+        assert_eq!(have(&[]), "none");
+    }
+
+    #[test]
+    fn long_lists_are_cut_with_a_count() {
+        let l: Vec<Named> = (0..25)
+            .map(|i| Named {
+                id: i.to_string(),
+                name: format!("n{i:02}"),
+            })
+            .collect();
+        let h = have(&l);
+        assert!(h.ends_with("n19 and 5 more"), "{h}");
+    }
+}

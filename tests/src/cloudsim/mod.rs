@@ -1,7 +1,9 @@
 //! `vq-cloudsim`: an embedded OpenStack-compatible test cloud.
 //!
 //! It serves the subset of Keystone v3, Nova v2.1 (microversions 2.1 to
-//! 2.96, or a lower maximum set by [`SimConfig::compute_max_minor`]) and Glance v2 that vq uses, with the same paths, headers, status
+//! 2.96, or a lower maximum set by [`SimConfig::compute_max_minor`]), Glance v2
+//! and (read-only: one network, one security group, one key pair) Neutron
+//! v2.0 that vq uses, over HTTP or, with [`SimConfig::tls`], HTTPS, with the same paths, headers, status
 //! codes and JSON shapes as the real services, so the controller's production
 //! OpenStack client runs unchanged against it. A server "boots" by running the
 //! identity file of its `#cloud-config` user data through cloud-init's
