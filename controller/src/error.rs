@@ -171,6 +171,17 @@ pub enum CredentialsError {
         /// What is missing.
         missing: String,
     },
+    /// A setting has a value of the wrong kind (`verify: maybe`).
+    #[error("{key}: {value} is not valid, expected {expected}")]
+    Value {
+        /// Where it was read: `clouds.yaml <path>: clouds.<cloud>.verify`
+        /// or `OS_INSECURE`.
+        key: String,
+        /// The value, quoted.
+        value: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
     /// The auth type is not one we implement.
     #[error(
         "unsupported auth_type {auth_type:?} (use password, v3password or v3applicationcredential)"
@@ -179,6 +190,21 @@ pub enum CredentialsError {
         /// The configured auth type.
         auth_type: String,
     },
+}
+
+/// Why the HTTP client of the cloud ([`crate::openstack::HttpCloud`])
+/// could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpClientError {
+    /// The cloud's TLS files (`cacert`, `cert`, `key`) cannot be used.
+    #[error("cannot use the cloud's TLS files: {}", problems.join("; "))]
+    TlsFiles {
+        /// Every problem, `"<key>: <path> <problem>"`.
+        problems: Vec<String>,
+    },
+    /// reqwest refused the configuration (no rustls provider installed).
+    #[error("cannot build the HTTP client")]
+    Build(#[source] reqwest::Error),
 }
 
 /// Errors of observing a pool; any of them means "act on nothing this cycle".
@@ -306,8 +332,8 @@ impl ActError {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// The HTTP client could not be built.
-    #[error("cannot build the HTTP client")]
-    HttpClient(#[source] reqwest::Error),
+    #[error("cannot build the HTTP client of the cloud")]
+    HttpClient(#[source] HttpClientError),
     /// The status endpoint could not listen.
     #[error("cannot listen on {addr}")]
     Listen {

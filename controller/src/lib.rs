@@ -31,6 +31,7 @@ pub mod openstack;
 pub mod page;
 pub mod plan;
 pub mod policy;
+pub mod preflight;
 pub mod reconcile;
 pub mod status;
 pub mod timings;

@@ -23,6 +23,14 @@ struct Args {
     /// Validate the configuration and exit (0 if valid, 64 if not).
     #[arg(long)]
     check_config: bool,
+    /// With --check-config: also check the configuration against the cloud
+    /// and the broker (log in to Keystone, compute microversion, every
+    /// pool's flavor, image, network, key pair and security groups, quota;
+    /// the broker account's declares and publish), changing nothing. Every
+    /// problem is printed on stderr with its config key (one JSON object
+    /// per problem with --log-format json); exit 64 if there is any.
+    #[arg(long, requires = "check_config")]
+    online: bool,
     /// Run one reconcile cycle and exit.
     #[arg(long)]
     once: bool,
@@ -126,13 +134,24 @@ fn main() -> ExitCode {
     vq_common::logging::init(args.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
 
+    let json = args.log_format == vq_common::logging::LogFormat::Json;
     let (cfg, creds) = match load_config(&args.config, &|k| std::env::var(k).ok()) {
         Ok(c) => c,
+        Err(ConfigError::Invalid { origin, problems }) if json && args.check_config => {
+            for p in &problems {
+                let (key, message) = p.split_once(": ").unwrap_or(("", p));
+                print_problem(true, &origin, key, message);
+            }
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
         Err(e) => {
             eprintln!("vq-controller: {}", chain(&e));
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
+    if args.online {
+        return check_online(&args, &cfg, creds);
+    }
     if args.check_config {
         println!(
             "{}: valid ({} pool(s): {}; OpenStack credentials from {})",
@@ -179,12 +198,80 @@ fn main() -> ExitCode {
     }
 }
 
+/// One problem of `origin` on stderr: `vq-controller: <origin>: <key>:
+/// <message>`, or with `json` one object `{"config", "key", "message"}`.
+fn print_problem(json: bool, origin: &str, key: &str, message: &str) {
+    if json {
+        eprintln!(
+            "{}",
+            serde_json::json!({ "config": origin, "key": key, "message": message })
+        );
+    } else if key.is_empty() {
+        eprintln!("vq-controller: {origin}: {message}");
+    } else {
+        eprintln!("vq-controller: {origin}: {key}: {message}");
+    }
+}
+
+/// `--check-config --online`: [`vq_controller::preflight`] against the
+/// cloud and the broker; every problem printed, exit 64 if any.
+fn check_online(args: &Args, cfg: &ControllerConfig, creds: Credentials) -> ExitCode {
+    use vq_controller::preflight::{check_broker, check_cloud, Problem};
+    let json = args.log_format == vq_common::logging::LogFormat::Json;
+    let origin = args.config.display().to_string();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vq-controller: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let problems: Vec<Problem> = runtime.block_on(async {
+        let microversion = match cfg.openstack.compute_microversion.as_deref() {
+            None => Ok(None),
+            Some(s) => vq_common::config::Microversion::parse(s).map(Some).ok_or(s),
+        };
+        let mut problems = match microversion {
+            Err(s) => vec![Problem {
+                key: "openstack.compute_microversion".into(),
+                message: format!("{s:?} is not a microversion"),
+            }],
+            Ok(mv) => match vq_controller::openstack::HttpCloud::new(creds, mv) {
+                Ok(cloud) => check_cloud(cfg, &cloud).await,
+                Err(e) => vec![Problem {
+                    key: "openstack".into(),
+                    message: chain(&e),
+                }],
+            },
+        };
+        problems.extend(check_broker(cfg).await);
+        problems
+    });
+    for p in &problems {
+        print_problem(json, &origin, &p.key, &p.message);
+    }
+    if problems.is_empty() {
+        println!(
+            "{origin}: valid and matches the cloud and the broker ({} pool(s): {})",
+            cfg.pools.len(),
+            cfg.pools.keys().cloned().collect::<Vec<_>>().join(", "),
+        );
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CONFIG as u8)
+    }
+}
+
 /// The configuration round, before anything connects: the config file at
 /// `path` with its `VQ_CONTROLLER__*` overrides (every unknown key, value
 /// of the wrong type and bad value, the broker's TLS files) and the
 /// OpenStack credentials its `[openstack]` section names (clouds.yaml or
-/// `OS_*` read through `env`, password or application credential), all
-/// checked in one go.
+/// `OS_*` read through `env`, password or application credential, and
+/// their TLS files `cacert`, `cert`, `key`, read and parsed), all checked
+/// in one go.
 ///
 /// # Errors
 /// [`ConfigError::Invalid`] listing every problem; credentials problems
@@ -204,7 +291,12 @@ fn load_config(
     let mut creds = None;
     if !problems.iter().any(|p| p.starts_with("openstack.cloud")) {
         match Credentials::discover(&cfg.openstack, env) {
-            Ok(c) => creds = Some(c),
+            Ok(c) => {
+                if let Err(tls) = c.tls.load() {
+                    problems.extend(tls.into_iter().map(|p| format!("openstack: {p}")));
+                }
+                creds = Some(c);
+            }
             Err(e) => problems.push(format!("openstack: no usable credentials: {}", chain(&e))),
         }
     }

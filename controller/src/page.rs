@@ -256,6 +256,11 @@ fn header(h: &mut String, r: &StatusReport) {
             "<p class=\"state err\" id=\"dry-run\">Dry run: plans are logged, nothing is done</p>",
         );
     }
+    if r.cloud_tls_insecure {
+        h.push_str(
+            "<p class=\"state err\" id=\"cloud-tls-insecure\">Cloud TLS certificates are not verified (verify: false / OS_INSECURE)</p>",
+        );
+    }
     let broker = if r.broker_connected {
         "connected"
     } else {

@@ -725,6 +725,7 @@ pub async fn run(
     };
     let metrics = Arc::new(Metrics::new());
     let lock = Arc::new(Leadership::new(cfg.broker.clone(), &cfg.cluster));
+    let cloud_tls_insecure = creds.tls.is_insecure();
     let cloud = HttpCloud::new(creds, microversion)
         .map_err(RunError::HttpClient)?
         .with_metrics(metrics.clone());
@@ -776,6 +777,10 @@ pub async fn run(
         .with_job_table(jobs.clone())
         .with_leadership(lock.clone())
         .with_dry_run(opts.dry_run);
+    ctl.status
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .cloud_tls_insecure = cloud_tls_insecure;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|source| RunError::Listen {

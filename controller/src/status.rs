@@ -121,6 +121,11 @@ pub struct StatusReport {
     /// on nothing).
     #[serde(default)]
     pub dry_run: bool,
+    /// Whether the cloud's TLS certificates go unchecked (clouds.yaml
+    /// `verify: false` or `OS_INSECURE=true`): anyone on the path can pose
+    /// as the cloud.
+    #[serde(default)]
+    pub cloud_tls_insecure: bool,
 }
 
 /// One pool's state as seen in the last successful observation.

@@ -1003,18 +1003,36 @@ pub async fn start_controller_on_empty_cloud_with(
     listen: &str,
     extra_toml: &str,
 ) -> anyhow::Result<EmptyCloudController> {
+    start_controller_on_cloud(url, cluster, pool, log, listen, extra_toml, |_| {}, |_| {}).await
+}
+
+/// [`start_controller_on_empty_cloud_with`] with the test cloud's
+/// configuration changed by `sim` (e.g. served over TLS) and the
+/// controller's command by `cmd` (more environment, stderr to a file)
+/// before it is started.
+///
+/// # Errors
+/// If a binary cannot be built, the cloud or the process started.
+#[allow(clippy::too_many_arguments)]
+pub async fn start_controller_on_cloud(
+    url: &str,
+    cluster: &str,
+    pool: &str,
+    log: &str,
+    listen: &str,
+    extra_toml: &str,
+    sim: impl FnOnce(&mut crate::cloudsim::SimConfig),
+    cmd: impl FnOnce(&mut Command),
+) -> anyhow::Result<EmptyCloudController> {
     use crate::cloudsim::{Sim, SimConfig};
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
     let dir = tempfile::tempdir()?;
     let agent_cfg = dir.path().join("jobagent.toml");
     std::fs::write(&agent_cfg, format!("cluster = \"{cluster}\"\n"))?;
-    let sim = Sim::start(SimConfig::new(
-        dir.path().join("sim"),
-        &agent_bin,
-        &agent_cfg,
-    ))
-    .await?;
+    let mut sim_config = SimConfig::new(dir.path().join("sim"), &agent_bin, &agent_cfg);
+    sim(&mut sim_config);
+    let sim = Sim::start(sim_config).await?;
     let agent_url = accounts::suite().agent.url(url);
     let controller_cfg = dir.path().join("controller.toml");
     std::fs::write(
@@ -1025,8 +1043,9 @@ pub async fn start_controller_on_empty_cloud_with(
              [pools.{pool}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\nmin = 0\nmax = 0\n{extra_toml}"
         ),
     )?;
-    let mut cmd = Command::new(&controller_bin);
-    cmd.arg("--config")
+    let mut command = Command::new(&controller_bin);
+    command
+        .arg("--config")
         .arg(&controller_cfg)
         .env("OS_CLIENT_CONFIG_FILE", sim.clouds_yaml())
         .env("OS_CLOUD", "cloudsim")
@@ -1034,7 +1053,8 @@ pub async fn start_controller_on_empty_cloud_with(
             "RUST_LOG",
             std::env::var("VQ_TEST_CONTROLLER_LOG").unwrap_or_else(|_| log.into()),
         );
-    let guard = ChildGuard::spawn(cmd)?;
+    cmd(&mut command);
+    let guard = ChildGuard::spawn(command)?;
     Ok(EmptyCloudController {
         sim,
         guard,

@@ -8,3 +8,4 @@ pub mod cloudsim;
 pub mod harness;
 pub mod rabbit_node;
 pub mod tcp_proxy;
+pub mod test_pki;

@@ -90,6 +90,143 @@ pub struct Credentials {
     pub interface: String,
     /// Where these came from, for logs (`clouds.yaml /x cloud y`, `OS_*`).
     pub origin: String,
+    /// TLS to the cloud's endpoints (`cacert`, `verify`, `cert`, `key`).
+    pub tls: CloudTls,
+}
+
+/// One TLS setting and the key it was read from, so that a problem names
+/// it: `clouds.yaml /etc/openstack/clouds.yaml: clouds.prod.cacert` or
+/// `OS_CACERT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setting<T> {
+    /// The value.
+    pub value: T,
+    /// Where it was read from.
+    pub key: String,
+}
+
+/// TLS to the cloud, with openstacksdk's semantics (its `cacert`,
+/// `verify`, `cert` and `key` cloud settings; `OS_CACERT`, `OS_INSECURE`,
+/// `OS_CERT`, `OS_KEY`, which, as for the `openstack` CLI, also override a
+/// clouds.yaml cloud's values).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CloudTls {
+    /// `cacert`: a PEM CA bundle. When set its certificates are the only
+    /// trust anchors (requests' `verify=<path>`); unset, the system roots.
+    pub cacert: Option<Setting<PathBuf>>,
+    /// `verify: false` / `OS_INSECURE=true`: accept any server
+    /// certificate (logged as a warning at start and shown on `/status`
+    /// as `cloud_tls_insecure`). `None`: verify.
+    pub insecure: Option<Setting<bool>>,
+    /// `cert`: PEM client certificate (chain), for clouds that require one.
+    pub cert: Option<Setting<PathBuf>>,
+    /// `key`: the PEM private key of `cert`; unset, `cert`'s file holds it
+    /// too (as requests' `cert=<path>`).
+    pub key: Option<Setting<PathBuf>>,
+}
+
+/// The parsed TLS material of a [`CloudTls`], ready for the HTTP client.
+#[derive(Debug, Clone)]
+pub struct TlsMaterial {
+    /// The only trust anchors (from `cacert`), or empty for the system
+    /// roots.
+    pub roots: Vec<reqwest::Certificate>,
+    /// The client certificate and key, if configured.
+    pub identity: Option<reqwest::Identity>,
+    /// Whether server certificates are not verified (`verify: false`).
+    pub insecure: bool,
+}
+
+impl CloudTls {
+    /// Whether server certificates are not verified.
+    pub fn is_insecure(&self) -> bool {
+        self.insecure.as_ref().is_some_and(|s| s.value)
+    }
+
+    /// Reads and parses the files: `cacert` must hold at least one PEM
+    /// certificate usable as a CA; `cert` and `key` a certificate rustls
+    /// accepts and the private key belonging to it.
+    ///
+    /// # Errors
+    /// Every problem, each `"<key>: <path> <problem>"` (e.g.
+    /// `OS_CACERT: /x.pem cannot be read: No such file or directory`).
+    pub fn load(&self) -> Result<TlsMaterial, Vec<String>> {
+        let mut problems = Vec::new();
+        let mut roots = Vec::new();
+        if let Some(ca) = &self.cacert {
+            match vq_common::tls::load_ca(&ca.value) {
+                Ok(certs) => {
+                    for der in certs {
+                        match reqwest::Certificate::from_der(&der) {
+                            Ok(c) => roots.push(c),
+                            Err(e) => problems.push(format!(
+                                "{}: {} holds a certificate that cannot be used: {e}",
+                                ca.key,
+                                ca.value.display()
+                            )),
+                        }
+                    }
+                }
+                Err(e) => problems.push(format!("{}: {} {}", ca.key, e.path.display(), e.problem)),
+            }
+        }
+        let mut identity = None;
+        match (&self.cert, &self.key) {
+            (None, Some(key)) => problems.push(format!(
+                "{}: set without a client certificate (set cert too, or remove key)",
+                key.key
+            )),
+            (None, None) => {}
+            (Some(cert), key) => {
+                let key_path = key.as_ref().map_or(&cert.value, |k| &k.value);
+                let key_name = key.as_ref().map_or(&cert.key, |k| &k.key);
+                match vq_common::tls::load_identity(&cert.value, key_path) {
+                    Ok(_) => {
+                        let mut pem = std::fs::read(&cert.value).unwrap_or_default();
+                        if key.is_some() {
+                            pem.push(b'\n');
+                            pem.extend(std::fs::read(key_path).unwrap_or_default());
+                        }
+                        match reqwest::Identity::from_pem(&pem) {
+                            Ok(id) => identity = Some(id),
+                            Err(e) => problems.push(format!(
+                                "{}: {} cannot be used as a client identity: {e}",
+                                cert.key,
+                                cert.value.display()
+                            )),
+                        }
+                    }
+                    Err(e) => {
+                        let name = if e.key == "key_file" {
+                            key_name
+                        } else {
+                            &cert.key
+                        };
+                        problems.push(format!("{name}: {} {}", e.path.display(), e.problem));
+                    }
+                }
+            }
+        }
+        if problems.is_empty() {
+            Ok(TlsMaterial {
+                roots,
+                identity,
+                insecure: self.is_insecure(),
+            })
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+/// Reads a boolean the way openstacksdk does (`true`/`false`, also
+/// `yes`/`no`, `1`/`0`, any case); `None` for anything else.
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "1" | "on" => Some(true),
+        "false" | "no" | "0" | "off" => Some(false),
+        _ => None,
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -106,6 +243,14 @@ struct CloudEntry {
     region_name: Option<String>,
     interface: Option<String>,
     endpoint_type: Option<String>,
+    /// openstacksdk's `cacert`: CA bundle path.
+    cacert: Option<String>,
+    /// openstacksdk's `verify`: `false` turns certificate checks off.
+    verify: Option<serde_yaml_ng::Value>,
+    /// openstacksdk's `cert`: client certificate path.
+    cert: Option<String>,
+    /// openstacksdk's `key`: client key path.
+    key: Option<String>,
 }
 
 fn yaml_str(v: &serde_yaml_ng::Value) -> Option<String> {
@@ -166,6 +311,82 @@ fn merge_yaml(base: &mut serde_yaml_ng::Value, over: serde_yaml_ng::Value) {
     }
 }
 
+/// The TLS settings of a clouds.yaml cloud (`cacert`, `verify`, `cert`,
+/// `key`; a relative path is taken as it is, from the working directory,
+/// as openstacksdk does).
+fn entry_tls(entry: &CloudEntry, path: &Path, cloud: &str) -> Result<CloudTls, CredentialsError> {
+    let key = |k: &str| format!("clouds.yaml {}: clouds.{cloud}.{k}", path.display());
+    let file = |v: &Option<String>, k: &str| {
+        v.as_ref().filter(|s| !s.is_empty()).map(|v| Setting {
+            value: PathBuf::from(v),
+            key: key(k),
+        })
+    };
+    let insecure = match &entry.verify {
+        None => None,
+        Some(v) => {
+            let verify = match v {
+                serde_yaml_ng::Value::Bool(b) => Some(*b),
+                other => yaml_str(other).as_deref().and_then(parse_bool),
+            };
+            let Some(verify) = verify else {
+                return Err(CredentialsError::Value {
+                    key: key("verify"),
+                    value: format!("{v:?}"),
+                    expected: "true or false (a CA bundle goes in cacert)",
+                });
+            };
+            Some(Setting {
+                value: !verify,
+                key: key("verify"),
+            })
+        }
+    };
+    Ok(CloudTls {
+        cacert: file(&entry.cacert, "cacert"),
+        insecure,
+        cert: file(&entry.cert, "cert"),
+        key: file(&entry.key, "key"),
+    })
+}
+
+/// `OS_CACERT`, `OS_INSECURE`, `OS_CERT`, `OS_KEY` over `tls` (each one
+/// set and not empty replaces the clouds.yaml value, as the `openstack`
+/// CLI's `--os-cacert`, `--insecure`, `--os-cert`, `--os-key` do).
+fn overlay_tls_env(
+    tls: &mut CloudTls,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(), CredentialsError> {
+    let get = |k: &str| env(k).filter(|s| !s.is_empty());
+    let file = |k: &str| {
+        get(k).map(|v| Setting {
+            value: PathBuf::from(v),
+            key: k.to_string(),
+        })
+    };
+    if let Some(v) = file("OS_CACERT") {
+        tls.cacert = Some(v);
+    }
+    if let Some(v) = file("OS_CERT") {
+        tls.cert = Some(v);
+    }
+    if let Some(v) = file("OS_KEY") {
+        tls.key = Some(v);
+    }
+    if let Some(v) = get("OS_INSECURE") {
+        let insecure = parse_bool(&v).ok_or_else(|| CredentialsError::Value {
+            key: "OS_INSECURE".into(),
+            value: format!("{v:?}"),
+            expected: "true or false",
+        })?;
+        tls.insecure = Some(Setting {
+            value: insecure,
+            key: "OS_INSECURE".into(),
+        });
+    }
+    Ok(())
+}
+
 impl Credentials {
     /// Finds credentials: with a cloud name (config `cloud`, else
     /// `OS_CLOUD`) the first clouds.yaml of [`clouds_yaml_candidates`] that
@@ -187,7 +408,9 @@ impl Credentials {
             .or_else(|| env("OS_CLOUD"))
             .filter(|s| !s.is_empty());
         let Some(cloud) = cloud else {
-            return Self::from_env(env);
+            let mut creds = Self::from_env(env)?;
+            overlay_tls_env(&mut creds.tls, env)?;
+            return Ok(creds);
         };
         let candidates = clouds_yaml_candidates(section, env);
         for path in &candidates {
@@ -209,7 +432,10 @@ impl Credentials {
                 })?;
             if let Some(entry) = file.clouds.get(&cloud) {
                 let origin = format!("clouds.yaml {} cloud {cloud}", path.display());
-                return Self::from_entry(entry, origin);
+                let mut creds = Self::from_entry(entry, origin)?;
+                creds.tls = entry_tls(entry, path, &cloud)?;
+                overlay_tls_env(&mut creds.tls, env)?;
+                return Ok(creds);
             }
         }
         Err(CredentialsError::UnknownCloud {
@@ -352,6 +578,7 @@ impl Credentials {
                 .map(|i| i.trim_end_matches("URL").to_ascii_lowercase())
                 .unwrap_or_else(|| "public".into()),
             origin,
+            tls: CloudTls::default(),
         })
     }
 
@@ -571,5 +798,137 @@ mod tests {
             "{err:?}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn clouds_yaml_tls_settings_are_read_and_os_variables_override_them() {
+        let dir = tempfile_dir("tls");
+        std::fs::write(
+            dir.join("clouds.yaml"),
+            "clouds:\n  c1:\n    auth:\n      auth_url: https://k/v3\n      username: u\n      password: p\n      project_id: pid\n    cacert: /etc/ca.pem\n    verify: false\n    cert: /etc/c.pem\n",
+        )
+        .unwrap();
+        let path = dir.join("clouds.yaml").display().to_string();
+        let env = env_of(&[("OS_CLIENT_CONFIG_FILE", &path), ("OS_CLOUD", "c1")]);
+        let c = Credentials::discover(&OpenStackSection::default(), &env).unwrap();
+        let ca = c.tls.cacert.as_ref().unwrap();
+        assert_eq!(ca.value, PathBuf::from("/etc/ca.pem"));
+        assert_eq!(ca.key, format!("clouds.yaml {path}: clouds.c1.cacert"));
+        assert!(c.tls.is_insecure());
+        assert_eq!(
+            c.tls.cert.as_ref().unwrap().value,
+            PathBuf::from("/etc/c.pem")
+        );
+        assert!(c.tls.key.is_none());
+
+        let env = env_of(&[
+            ("OS_CLIENT_CONFIG_FILE", &path),
+            ("OS_CLOUD", "c1"),
+            ("OS_CACERT", "/other.pem"),
+            ("OS_INSECURE", "False"),
+        ]);
+        let c = Credentials::discover(&OpenStackSection::default(), &env).unwrap();
+        let ca = c.tls.cacert.as_ref().unwrap();
+        assert_eq!(
+            (ca.value.to_str(), ca.key.as_str()),
+            (Some("/other.pem"), "OS_CACERT")
+        );
+        assert!(!c.tls.is_insecure());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn os_cacert_and_os_insecure_apply_to_os_variable_credentials() {
+        let env = env_of(&[
+            ("OS_AUTH_URL", "https://k:5000"),
+            ("OS_USERNAME", "u"),
+            ("OS_PASSWORD", "p"),
+            ("OS_PROJECT_NAME", "proj"),
+            ("OS_CACERT", "/ca.pem"),
+            ("OS_INSECURE", "true"),
+        ]);
+        let c = Credentials::discover(&OpenStackSection::default(), &env).unwrap();
+        assert_eq!(c.tls.cacert.unwrap().key, "OS_CACERT");
+        assert_eq!(c.tls.insecure.unwrap().key, "OS_INSECURE");
+    }
+
+    #[test]
+    fn a_verify_or_os_insecure_that_is_not_a_boolean_is_an_error_naming_the_key() {
+        let dir = tempfile_dir("verify");
+        std::fs::write(
+            dir.join("clouds.yaml"),
+            "clouds:\n  c1:\n    auth:\n      auth_url: https://k/v3\n      username: u\n      password: p\n      project_id: pid\n    verify: /etc/ca.pem\n",
+        )
+        .unwrap();
+        let path = dir.join("clouds.yaml").display().to_string();
+        let env = env_of(&[("OS_CLIENT_CONFIG_FILE", &path), ("OS_CLOUD", "c1")]);
+        let err = Credentials::discover(&OpenStackSection::default(), &env).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("clouds.c1.verify") && msg.contains("cacert"),
+            "{msg}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let env = env_of(&[
+            ("OS_AUTH_URL", "https://k:5000"),
+            ("OS_USERNAME", "u"),
+            ("OS_PASSWORD", "p"),
+            ("OS_PROJECT_NAME", "proj"),
+            ("OS_INSECURE", "maybe"),
+        ]);
+        let msg = Credentials::discover(&OpenStackSection::default(), &env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("OS_INSECURE") && msg.contains("maybe"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn unusable_tls_files_are_all_named_by_their_key() {
+        let dir = tempfile_dir("files");
+        let not_pem = dir.join("not.pem");
+        std::fs::write(&not_pem, "hello\n").unwrap();
+        let tls = CloudTls {
+            cacert: Some(Setting {
+                value: dir.join("missing.pem"),
+                key: "OS_CACERT".into(),
+            }),
+            insecure: None,
+            cert: Some(Setting {
+                value: not_pem.clone(),
+                key: "clouds.yaml x: clouds.c1.cert".into(),
+            }),
+            key: None,
+        };
+        let problems = tls.load().unwrap_err();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].starts_with("OS_CACERT: ") && problems[0].contains("missing.pem"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].starts_with("clouds.yaml x: clouds.c1.cert: ")
+                && problems[1].contains("no PEM certificate"),
+            "{problems:?}"
+        );
+        let tls = CloudTls {
+            cacert: Some(Setting {
+                value: not_pem,
+                key: "OS_CACERT".into(),
+            }),
+            ..CloudTls::default()
+        };
+        let problems = tls.load().unwrap_err();
+        assert!(problems[0].contains("no PEM certificate"), "{problems:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir(what: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("vq-clouds-{what}-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
     }
 }

@@ -15,7 +15,7 @@ use vq_common::config::Microversion;
 use vq_common::messages::unix_now;
 
 use super::{parse_timestamp, token_renew_margin_secs, Credentials, DEFAULT_COMPUTE_MICROVERSION};
-use crate::error::CloudError;
+use crate::error::{CloudError, HttpClientError};
 use crate::metrics::Metrics;
 
 /// A Keystone token and the endpoints its catalog gave.
@@ -29,6 +29,8 @@ pub(super) struct Session {
     pub(super) compute: String,
     /// The image endpoint, if the catalog has one.
     pub(super) image: Option<String>,
+    /// The network (Neutron) endpoint, if the catalog has one.
+    pub(super) network: Option<String>,
 }
 
 /// Less than this left on the application credential (seconds, a week)
@@ -175,18 +177,27 @@ fn retry_after(resp: &Response) -> Option<Duration> {
 }
 impl HttpCloud {
     /// A client for `creds`, requesting compute microversion `microversion`
-    /// (`None`: [`DEFAULT_COMPUTE_MICROVERSION`]). Does no I/O; the first
-    /// call authenticates. [`HttpCloud::check_compute_version`] tells
-    /// whether the cloud serves that microversion.
+    /// (`None`: [`DEFAULT_COMPUTE_MICROVERSION`]). Does no I/O on the
+    /// network; the first call authenticates.
+    /// [`HttpCloud::check_compute_version`] tells whether the cloud serves
+    /// that microversion. TLS follows `creds.tls`: `cacert`'s certificates
+    /// as the only roots (else the system's), the client identity of
+    /// `cert`/`key`, and with `verify: false` no certificate check at all,
+    /// logged here as a warning.
     ///
     /// # Errors
-    /// The reqwest error if the HTTP client cannot be built (no rustls
+    /// [`HttpClientError::TlsFiles`] naming every unusable TLS file;
+    /// [`HttpClientError::Build`] if reqwest refuses the client (no rustls
     /// provider installed).
     pub fn new(
         creds: Credentials,
         microversion: Option<Microversion>,
-    ) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
+    ) -> Result<Self, HttpClientError> {
+        let tls = creds
+            .tls
+            .load()
+            .map_err(|problems| HttpClientError::TlsFiles { problems })?;
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(60))
             // The pid tells the cloud's API log which of several
@@ -195,8 +206,28 @@ impl HttpCloud {
                 "vq-controller/{} (pid {})",
                 env!("CARGO_PKG_VERSION"),
                 std::process::id()
-            ))
-            .build()?;
+            ));
+        if !tls.roots.is_empty() {
+            builder = builder.tls_certs_only(tls.roots);
+        }
+        if let Some(identity) = tls.identity {
+            builder = builder.identity(identity);
+        }
+        if tls.insecure {
+            let key = creds
+                .tls
+                .insecure
+                .as_ref()
+                .map(|s| s.key.as_str())
+                .unwrap_or_default();
+            tracing::warn!(
+                key,
+                auth_url = %creds.auth_url,
+                "TLS CERTIFICATE VERIFICATION OF THE CLOUD IS OFF: any server can pose as Keystone and Nova and receive the cloud password or token; set cacert to the cloud's CA instead of verify: false"
+            );
+            builder = builder.danger_accept_invalid_certs(true);
+        }
+        let client = builder.build().map_err(HttpClientError::Build)?;
         Ok(HttpCloud {
             client,
             creds,
@@ -287,6 +318,7 @@ impl HttpCloud {
                 }
             })?;
         let image = pick_endpoint(&body.token.catalog, "image", iface, region);
+        let network = pick_endpoint(&body.token.catalog, "network", iface, region);
         tracing::info!(
             origin = %self.creds.origin,
             compute = %compute,
@@ -306,6 +338,7 @@ impl HttpCloud {
             renew_at,
             compute,
             image,
+            network,
         })
     }
 

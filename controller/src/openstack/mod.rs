@@ -24,6 +24,7 @@ use crate::error::CloudError;
 pub mod compute;
 pub mod credentials;
 pub mod http;
+pub mod inventory;
 pub mod lookup;
 
 pub use compute::ComputeVersions;

@@ -1,6 +1,6 @@
 //! `vq-cloudsim`: the embedded OpenStack-compatible test cloud as a process.
 //!
-//! Prints `READY http://ADDR` on stdout once it serves and `clouds.yaml` is
+//! Prints `READY http://ADDR` (`https://` with `--tls-cert`) on stdout once it serves and `clouds.yaml` is
 //! written; logs to stderr; SIGTERM or SIGINT stops every VM and exits 0.
 //! Each VM runs in a cgroup v2 of its own, `vq-cloudsim/<server id>` below
 //! the cgroup this process runs in (root needed), so deleting a server
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use vq_tests::cloudsim::{Sim, SimConfig};
+use vq_tests::cloudsim::{Sim, SimConfig, SimTls};
 
 /// An OpenStack-compatible test cloud (Keystone v3, Nova v2.1, Glance v2)
 /// whose servers run a local jobagent.
@@ -69,6 +69,12 @@ struct Args {
     /// Highest compute microversion served is 2.<this> (an older Nova).
     #[arg(long, default_value_t = vq_tests::cloudsim::MAX_COMPUTE_MINOR)]
     compute_max_minor: u32,
+    /// Serve HTTPS with this PEM certificate (chain), with --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
@@ -117,6 +123,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         app_cred: args.app_cred_id.zip(args.app_cred_secret),
         app_cred_expires_at: None,
         compute_max_minor: args.compute_max_minor,
+        tls: args
+            .tls_cert
+            .zip(args.tls_key)
+            .map(|(cert, key)| SimTls { cert, key }),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

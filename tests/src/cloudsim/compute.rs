@@ -241,6 +241,7 @@ pub(crate) fn router(state: Arc<SimState>) -> Router {
         )
         .route(&format!("{P}/servers/{{id}}/tags"), get(get_tags))
         .route(&format!("{P}/limits"), get(limits))
+        .route(&format!("{P}/os-keypairs"), get(super::network::keypairs))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,

@@ -224,6 +224,7 @@ fn token_body(state: &SimState, token: &Token) -> Value {
             {"endpoints": endpoints(format!("{base}/compute/v2.1"), 1), "id": "c0000000000000000000000000000001", "type": "compute", "name": "nova"},
             {"endpoints": endpoints(format!("{base}/image"), 2), "id": "c0000000000000000000000000000002", "type": "image", "name": "glance"},
             {"endpoints": endpoints(format!("{base}/identity/v3"), 3), "id": "c0000000000000000000000000000003", "type": "identity", "name": "keystone"},
+            {"endpoints": endpoints(format!("{base}/network"), 4), "id": "c0000000000000000000000000000004", "type": "network", "name": "neutron"},
         ]);
     }
     if let Some(id) = &token.app_cred {

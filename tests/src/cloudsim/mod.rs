@@ -1,7 +1,9 @@
 //! `vq-cloudsim`: an embedded OpenStack-compatible test cloud.
 //!
 //! It serves the subset of Keystone v3, Nova v2.1 (microversions 2.1 to
-//! 2.96, or a lower maximum set by [`SimConfig::compute_max_minor`]) and Glance v2 that vq uses, with the same paths, headers, status
+//! 2.96, or a lower maximum set by [`SimConfig::compute_max_minor`]), Glance v2
+//! and (read-only: one network, one security group, one key pair) Neutron
+//! v2.0 that vq uses, over HTTP or, with [`SimConfig::tls`], HTTPS, with the same paths, headers, status
 //! codes and JSON shapes as the real services, so the controller's production
 //! OpenStack client runs unchanged against it. A server "boots" by running the
 //! identity file of its `#cloud-config` user data through cloud-init's
@@ -27,8 +29,10 @@ mod cgroup;
 mod compute;
 mod identity;
 mod image;
+mod network;
 mod state;
 mod timefmt;
+mod tls;
 mod vm;
 
 use std::net::SocketAddr;
@@ -43,6 +47,8 @@ use tokio_util::sync::CancellationToken;
 pub use admin::{FailRule, Faults};
 pub use compute::MAX_COMPUTE_MINOR;
 pub use image::{CIRROS_IMAGE_ID, WORKER_IMAGE_ID};
+pub use network::{KEYPAIR_NAME, NETWORK_ID, NETWORK_NAME};
+pub use tls::SimTls;
 pub use vm::{kill_process_tree, IDENTITY_PATH};
 
 use state::SimState;
@@ -94,6 +100,10 @@ pub struct SimConfig {
     /// (default [`MAX_COMPUTE_MINOR`], 96). The version document says so and
     /// a request for a higher one is answered 406, as an older Nova does.
     pub compute_max_minor: u32,
+    /// Serve HTTPS with this certificate instead of HTTP (`None`: HTTP).
+    /// Every URL it hands out (auth_url, catalog, links) is then
+    /// `https://`.
+    pub tls: Option<SimTls>,
 }
 
 impl SimConfig {
@@ -122,6 +132,7 @@ impl SimConfig {
             app_cred: None,
             app_cred_expires_at: None,
             compute_max_minor: MAX_COMPUTE_MINOR,
+            tls: None,
         }
     }
 }
@@ -146,6 +157,16 @@ pub enum SimError {
         /// The cause.
         #[source]
         source: std::io::Error,
+    },
+    /// The TLS certificate or key of [`SimConfig::tls`] is unusable.
+    #[error("cannot use the TLS certificate {cert} and key {key}: {problem}")]
+    Tls {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What is wrong.
+        problem: String,
     },
     /// `clouds.yaml` could not be written.
     #[error("cannot write {path}")]
@@ -184,6 +205,10 @@ impl Sim {
             addr: config.listen,
             source,
         })?;
+        let acceptor = match &config.tls {
+            None => None,
+            Some(t) => Some(t.acceptor()?),
+        };
         let clouds_yaml = config.state_dir.join("clouds.yaml");
         std::fs::write(&clouds_yaml, clouds_yaml_text(&config, addr)).map_err(|source| {
             SimError::CloudsYaml {
@@ -197,9 +222,19 @@ impl Sim {
         let app = router(state.clone());
         let stop = cancel.clone();
         let server = tokio::spawn(async move {
-            let serve = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(error) = serve.await {
+            let result = match acceptor {
+                None => {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(async move { stop.cancelled().await })
+                        .await
+                }
+                Some(acceptor) => {
+                    axum::serve(tls::TlsListener::new(listener, acceptor), app)
+                        .with_graceful_shutdown(async move { stop.cancelled().await })
+                        .await
+                }
+            };
+            if let Err(error) = result {
                 tracing::error!(%error, "cloudsim HTTP server failed");
             }
         });
@@ -230,14 +265,15 @@ impl SimHandle {
         self.addr
     }
 
-    /// `http://ADDR`, the root of every endpoint.
+    /// `http://ADDR` (`https://` with [`SimConfig::tls`]), the root of
+    /// every endpoint.
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.state.base()
     }
 
     /// Keystone's URL, `http://ADDR/identity/v3` (the `auth_url`).
     pub fn auth_url(&self) -> String {
-        format!("http://{}/identity/v3", self.addr)
+        format!("{}/identity/v3", self.base_url())
     }
 
     /// The `clouds.yaml` written at start.
@@ -274,6 +310,7 @@ fn router(state: Arc<SimState>) -> Router {
         .merge(identity::router(state.clone()))
         .merge(compute::router(state.clone()))
         .merge(image::router(state.clone()))
+        .merge(network::router(state.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             admin::inject_faults,
@@ -293,7 +330,12 @@ async fn not_found(uri: axum::http::Uri) -> axum::response::Response {
 }
 
 fn clouds_yaml_text(config: &SimConfig, addr: SocketAddr) -> String {
-    let auth_url = format!("http://{addr}/identity/v3");
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let auth_url = format!("{scheme}://{addr}/identity/v3");
     let mut clouds = serde_json::Map::new();
     clouds.insert(
         CLOUD_NAME.into(),

@@ -209,9 +209,14 @@ impl SimState {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `http://ADDR`.
+    /// `http://ADDR`, or `https://ADDR` when serving TLS.
     pub fn base(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Power every VM off (shutdown and drop): all processes of its
