@@ -730,6 +730,7 @@ mod tests {
             interval_secs: 10.0,
             at: 0.0,
             version: String::new(),
+            drain_reason: None,
         }
     }
 

@@ -51,6 +51,7 @@ async fn only_admins_drain_and_only_owners_or_submitters_cancel() -> anyhow::Res
         },
         Control::Drain {
             request_id: "m2".into(),
+            reason: None,
         },
     ] {
         broker.publish_control_as(mallory, &agent_id, &msg).await?;
