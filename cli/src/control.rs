@@ -1,5 +1,6 @@
-//! `vq cancel`, `vq drain` and `vq resume`: control messages to one agent,
-//! and the agent's answer.
+//! `vq cancel`, `vq drain` and `vq resume`: control messages to one agent
+//! (and, for `vq cancel`, a request to the controller first), and the
+//! agent's answer.
 //!
 //! Control messages go to the control exchange with routing key = agent id,
 //! mandatory (an agent that is not connected has no control queue, so the
@@ -15,8 +16,10 @@
 use std::time::Duration;
 
 use vq_common::amqp;
+use vq_common::jobs::cancel::{CancelAnswer, CancelRequest};
 use vq_common::messages::{
     AgentState, Control, ControlAnswer, ControlOutcome, ControlRequest, Message, MAX_REASON_BYTES,
+    SCHEMA_VERSION,
 };
 use vq_common::topology::Topology;
 
@@ -86,11 +89,11 @@ pub fn check_reason(reason: Option<&str>) -> Result<Option<String>, CliError> {
 /// Checks a `--timeout` in seconds.
 ///
 /// # Errors
-/// [`CliError::Usage`] unless it is a positive finite number.
+/// [`CliError::Usage`] unless it is a positive finite number (below 10⁹).
 pub fn check_timeout(secs: f64) -> Result<Duration, CliError> {
-    if !(secs.is_finite() && secs > 0.0 && secs < 86_400.0) {
+    if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
         return Err(CliError::Usage(format!(
-            "--timeout: {secs} is not a positive number of seconds (below one day)"
+            "--timeout: {secs} is not a positive number of seconds"
         )));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -212,12 +215,146 @@ async fn connect(settings: &Settings, name: &str) -> Result<lapin::Connection, C
         .map_err(CliError::broker("connect to the broker"))
 }
 
-/// What `vq cancel JOB_ID` does: finds the job's agent in the job table,
-/// sends the cancel and prints the agent's answer.
+/// What `vq cancel JOB_ID` does: asks the controller
+/// ([`vq_common::jobs::cancel`]), which withdraws a queued job itself and
+/// names the agent of a running one; a running job's cancel then goes to
+/// its agent, which checks the owner again. An agent's claim that races the
+/// withdrawal is answered "starting", and the request is asked again
+/// until the job shows running (within `timeout`). With no controller
+/// listening, a running job is still found in the event stream and
+/// cancelled through its agent; a queued one is not (it needs the
+/// controller's withdrawal).
 ///
 /// # Errors
 /// [`CliError`].
 pub async fn run_cancel(
+    settings: &Settings,
+    job_id: &str,
+    timeout: Duration,
+) -> Result<i32, CliError> {
+    let conn = amqp::connect(&settings.broker, "vq cancel")
+        .await
+        .map_err(CliError::broker("connect to the broker"))?;
+    let result = async {
+        match ask_cancel(&conn, settings, job_id, timeout).await? {
+            Some(CancelAnswer::Withdrawn { job_id }) => {
+                println!("job {job_id} cancelled: it was queued and no agent will run it");
+                Ok(0)
+            }
+            Some(CancelAnswer::Running { job_id, agent }) => {
+                cancel_running(&conn, settings, &job_id, &agent, timeout).await
+            }
+            Some(CancelAnswer::Ended { job_id, state }) => Err(CliError::NotRunning {
+                job_id,
+                state: format!("{} {}", state.letter(), state.word()),
+            }),
+            Some(CancelAnswer::Refused { reason, .. }) => {
+                Err(CliError::QueryRefused { problem: reason })
+            }
+            Some(CancelAnswer::Starting { job_id }) => Err(CliError::QueryRefused {
+                problem: format!(
+                    "job {job_id} is starting on an agent and has not reported its start within {:.0} s; try again",
+                    timeout.as_secs_f64()
+                ),
+            }),
+            None => cancel_from_stream(&conn, settings, job_id, timeout).await,
+        }
+    }
+    .await;
+    let _ = conn.close(200, "bye".into()).await;
+    result
+}
+
+/// The controller's last answer to cancelling `job_id`, asked again while
+/// it says "starting" or "retry" (every 200 ms, within `timeout`); `None`
+/// when no controller listens.
+async fn ask_cancel(
+    conn: &lapin::Connection,
+    settings: &Settings,
+    job_id: &str,
+    timeout: Duration,
+) -> Result<Option<CancelAnswer>, CliError> {
+    let topo = Topology::new(&settings.cluster);
+    let mut replies = Replies::open(conn, settings, "vq-cancel").await?;
+    let control = topo.control_exchange();
+    let key = topo.cancel_query_key();
+    let req = CancelRequest {
+        schema: SCHEMA_VERSION,
+        job_id: job_id.to_string(),
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let answer = loop {
+        let props = amqp::json_properties::<CancelRequest>()
+            .with_delivery_mode(1)
+            .with_user_id(settings.broker_user().as_str().into());
+        let sent = replies
+            .send(
+                &control,
+                &key,
+                &req.encode(),
+                props,
+                timeout,
+                "send the cancel to the controller",
+            )
+            .await?;
+        let Sent::Routed { correlation } = sent else {
+            replies.close().await;
+            return Ok(None);
+        };
+        let Some(d) = replies.answer(&correlation, deadline).await? else {
+            replies.close().await;
+            return Err(CliError::NoController {
+                exchange: control,
+                key,
+                secs: timeout.as_secs_f64(),
+                listening: true,
+            });
+        };
+        let answer = CancelAnswer::decode(&d.data).map_err(|source| CliError::Decode {
+            what: "the controller's cancel answer".into(),
+            source,
+        })?;
+        let again = matches!(
+            answer,
+            CancelAnswer::Starting { .. } | CancelAnswer::Refused { retry: true, .. }
+        );
+        let pause = tokio::time::Instant::now() + RETRY_PAUSE;
+        if !again || pause >= deadline {
+            break answer;
+        }
+        tracing::debug!(?answer, "asking the controller again");
+        tokio::time::sleep_until(pause).await;
+    };
+    replies.close().await;
+    Ok(Some(answer))
+}
+
+/// Pause between two cancel requests while the job is starting.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
+/// Sends the cancel of running job `job_id` to `agent` and prints its
+/// answer (within `timeout`).
+async fn cancel_running(
+    conn: &lapin::Connection,
+    settings: &Settings,
+    job_id: &str,
+    agent: &str,
+    timeout: Duration,
+) -> Result<i32, CliError> {
+    let msg = Control::Cancel {
+        job_id: job_id.to_string(),
+    };
+    let correlation = uuid::Uuid::new_v4().to_string();
+    let answer = request(conn, settings, agent, &msg, &correlation, timeout).await?;
+    tracing::info!(job_id, agent, outcome = ?answer.outcome, "cancel answered");
+    println!("{}", judge(&answer)?);
+    Ok(0)
+}
+
+/// `vq cancel` without a controller: the job's state from one read of the
+/// event stream; only a running job can be cancelled this way.
+async fn cancel_from_stream(
+    conn: &lapin::Connection,
     settings: &Settings,
     job_id: &str,
     timeout: Duration,
@@ -228,23 +365,20 @@ pub async fn run_cancel(
         ..
     } = crate::term::invoking_user()?;
     let topo = Topology::new(&settings.cluster);
-    let conn = connect(settings, "vq cancel").await?;
-    let result = async {
-        let jobs = read_job_table(&conn, &topo).await?;
-        let job = find_job(&jobs, job_id)?;
-        let agent = cancel_target(job, &user, is_root)?;
-        let msg = Control::Cancel {
-            job_id: job.id.clone(),
-        };
-        let correlation = uuid::Uuid::new_v4().to_string();
-        let answer = request(&conn, settings, agent, &msg, &correlation, timeout).await?;
-        tracing::info!(job_id = %job.id, agent, outcome = ?answer.outcome, "cancel answered");
-        println!("{}", judge(&answer)?);
-        Ok(0)
+    let jobs = read_job_table(conn, &topo).await?;
+    let job = find_job(&jobs, job_id)?;
+    if job.state == State::Queued {
+        return Err(CliError::QueryRefused {
+            problem: format!(
+                "job {} is queued, and no controller listens on {} (key {}): a queued job is cancelled by the controller; start it, or cancel the job once it runs",
+                job.id,
+                topo.control_exchange(),
+                topo.cancel_query_key()
+            ),
+        });
     }
-    .await;
-    let _ = conn.close(200, "bye".into()).await;
-    result
+    let agent = cancel_target(job, &user, is_root)?;
+    cancel_running(conn, settings, &job.id, agent, timeout).await
 }
 
 /// Which of `vq drain` and `vq resume` ([`run_drain_or_resume`]).

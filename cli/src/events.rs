@@ -128,7 +128,7 @@ pub fn wait_exit_code(state: &JobState) -> i32 {
             ..
         } => 128 + signal,
         JobState::Queued { .. } | JobState::Started => 0,
-        JobState::Finished { .. } | JobState::Failed { .. } => 1,
+        JobState::Finished { .. } | JobState::Failed { .. } | JobState::Withdrawn { .. } => 1,
     }
 }
 
@@ -158,6 +158,7 @@ pub async fn wait_for_job(
 ) -> Result<i32, CliError> {
     // Job ids are chosen by submitters: an event for the same id from
     // another submitter's message is not about this job.
+    let mut started = false;
     while let Some(delivery) = consumer.next().await {
         let Ok(delivery) = delivery else { break };
         let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
@@ -171,7 +172,17 @@ pub async fn wait_for_job(
         }
         match &event.state {
             JobState::Queued { .. } => {}
-            JobState::Started => eprintln!("vq: job {} started on {}", job_id, event.agent),
+            JobState::Started => {
+                started = true;
+                eprintln!("vq: job {} started on {}", job_id, event.agent)
+            }
+            // A start that won the race against the withdrawal: the job
+            // runs, and its cancel goes to the agent.
+            JobState::Withdrawn { .. } if started => {}
+            JobState::Withdrawn { by } => {
+                eprintln!("vq: job {job_id} was cancelled by {by} while queued");
+                return Ok(wait_exit_code(&event.state));
+            }
             JobState::Finished { outcome, .. } => {
                 eprintln!("vq: job {} {}", job_id, describe_outcome(outcome));
                 return Ok(wait_exit_code(&event.state));

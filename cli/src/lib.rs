@@ -81,12 +81,13 @@ pub enum Command {
     Submit(Box<SubmitArgs>),
     /// Show jobs (from the controller's job table), like qstat.
     Stat(StatArgs),
-    /// Cancel a running job (owner or root only); prints the agent's answer.
+    /// Cancel a queued or running job (its owner, its submitter or an operator), like qdel;
+    /// prints the controller's or the agent's answer.
     Cancel {
         /// Job id, or a unique prefix of it.
         job_id: String,
-        /// Seconds to wait for the agent's answer.
-        #[arg(long = "timeout", value_name = "SECS", default_value_t = control::ANSWER_TIMEOUT.as_secs_f64())]
+        /// Seconds to wait for the controller's answer, and then for the agent's.
+        #[arg(long, value_name = "SECS", default_value_t = 10.0)]
         timeout: f64,
     },
     /// Show pools: queued and running jobs, VMs and agents (from the controller).
@@ -223,6 +224,9 @@ pub struct StatArgs {
     /// Only jobs in these states: letters of Q R C F X, e.g. `Q,R`.
     #[arg(long = "state", value_name = "STATES")]
     pub state: Option<String>,
+    /// Only jobs of this pool (Torque's queue, `vq submit -q`).
+    #[arg(long = "pool", value_name = "POOL")]
+    pub pool: Option<String>,
     /// Show each job's comment (why it failed) below its line, as `qstat -s`.
     #[arg(short = 's', conflicts_with_all = ["full", "json"])]
     pub comments: bool,
@@ -280,12 +284,7 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                 Some(s) => stat::parse_states(s)?,
                 None => Vec::new(),
             };
-            if !(args.timeout.is_finite() && args.timeout > 0.0) {
-                return Err(CliError::Usage(format!(
-                    "--timeout: {} is not a positive number of seconds",
-                    args.timeout
-                )));
-            }
+            let timeout = control::check_timeout(args.timeout)?;
             let layout = if args.json {
                 stat::Layout::Json
             } else if args.full {
@@ -300,17 +299,17 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                     all: args.all,
                     user: args.user,
                     states,
+                    pool: args.pool,
                     job_ids: args.job_ids,
                 },
                 layout,
                 from_stream: args.from_stream,
-                timeout: Some(std::time::Duration::from_secs_f64(args.timeout)),
+                timeout: Some(timeout),
             };
             stat::run(&settings, opts).await
         }
         Command::Cancel { job_id, timeout } => {
-            let timeout = control::check_timeout(timeout)?;
-            control::run_cancel(&settings, &job_id, timeout).await
+            control::run_cancel(&settings, &job_id, control::check_timeout(timeout)?).await
         }
         Command::Pools => pools::run(&settings).await,
         Command::Drain(a) => toggle(&settings, control::Toggle::Drain, a).await,

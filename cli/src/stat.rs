@@ -37,6 +37,8 @@ pub struct StatRequest {
     pub user: Option<String>,
     /// `--state Q,R…`: only jobs in these states.
     pub states: Vec<State>,
+    /// `--pool POOL`: only jobs of this pool (Torque's queue).
+    pub pool: Option<String>,
     /// Named jobs (ids or unique prefixes).
     pub job_ids: Vec<String>,
 }
@@ -87,7 +89,7 @@ pub fn first_query(req: &StatRequest, me: &str, is_root: bool) -> JobQuery {
         ids: req.job_ids.clone(),
         owner,
         states: req.states.clone(),
-        pool: None,
+        pool: req.pool.clone(),
         after: None,
         limit: Some(MAX_PAGE),
     }
@@ -577,6 +579,14 @@ mod tests {
         };
         let q = first_query(&ids, "alice", false);
         assert_eq!((q.owner, q.ids), (None, vec!["x".to_string()]));
+        let pool = StatRequest {
+            pool: Some("gpu".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            first_query(&pool, "alice", false).pool.as_deref(),
+            Some("gpu")
+        );
         let json = render_json(&[done()], false);
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(v["complete"], false);

@@ -288,6 +288,15 @@ pub enum JobState {
         /// Human-readable reason, e.g. `owner "root" has uid 0 below min_uid 1000`.
         reason: String,
     },
+    /// The job was cancelled while queued (Torque's `qdel` of a queued
+    /// job), before any agent claimed it: published by the controller once
+    /// it holds the job's claim marker ([`crate::jobs::cancel`]), so no
+    /// agent runs it; it has no exit status. Routed as `cancelled`; a
+    /// reader ignores it for a job that started already.
+    Withdrawn {
+        /// The broker user that cancelled it.
+        by: String,
+    },
 }
 
 impl JobState {
@@ -303,6 +312,7 @@ impl JobState {
             } => "cancelled",
             JobState::Finished { .. } => "finished",
             JobState::Failed { .. } => "failed",
+            JobState::Withdrawn { .. } => "cancelled",
         }
     }
 }
@@ -551,12 +561,17 @@ impl JobEvent {
     /// * `<job_id>.<submission>.started.<attempt>`;
     /// * `<job_id>.<submission>.finished`, `….cancelled`, `….failed`: the
     ///   job's one final result;
+    /// * `<job_id>.<submission>.withdrawn` for [`JobState::Withdrawn`];
     /// * `<job_id>.duplicate.<fingerprint>` for a [`JobEvent::duplicate`]
     ///   report;
     /// * without a [`JobEvent::submission`] (body unknown), the same
     ///   without `.<submission>`.
     pub fn message_id(&self) -> String {
-        let word = self.state.routing_word();
+        let word = match self.state {
+            // Routed as `cancelled`, but not the running job's final result.
+            JobState::Withdrawn { .. } => "withdrawn",
+            _ => self.state.routing_word(),
+        };
         let job = match &self.submission {
             Some(sub) => format!("{}.{sub}", self.job_id),
             None => self.job_id.clone(),
@@ -927,6 +942,8 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         one::<ControlAnswer>("control-answer.schema.json"),
         one::<crate::jobs::JobQuery>("job-query.schema.json"),
         one::<crate::jobs::JobPage>("job-page.schema.json"),
+        one::<crate::jobs::cancel::CancelRequest>("cancel-request.schema.json"),
+        one::<crate::jobs::cancel::CancelAnswer>("cancel-answer.schema.json"),
     ]
 }
 

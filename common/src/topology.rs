@@ -259,6 +259,13 @@ impl Topology {
         format!("{}.query.jobs", self.cluster)
     }
 
+    /// Routing key of `vq cancel`'s requests to the controller
+    /// ([`crate::jobs::cancel::CancelRequest`]) on
+    /// [`Topology::control_exchange`]: `<c>.query.cancel` (no agent id).
+    pub fn cancel_query_key(&self) -> String {
+        format!("{}.query.cancel", self.cluster)
+    }
+
     /// Direct exchange of the controller's answers to queries
     /// ([`crate::jobs::JobPage`]): routing key = the requester's
     /// `reply_to`, an exclusive server-named queue (`amq.gen-…`) the

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use vq_common::jobs::cancel::{CancelAnswer, CancelRequest};
 use vq_common::jobs::State;
 use vq_common::messages::{
     json_schemas, Control, ControlAnswer, ControlOutcome, ControlRequest, DecodeError,
@@ -91,6 +92,22 @@ fn every_fixture_survives_a_round_trip() {
     assert_eq!(q.states, [State::Queued, State::Running]);
     let page: vq_common::jobs::JobPage = round_trip("job-page.json");
     assert_eq!((page.jobs[0].letter, page.next), ('C', Some(41)));
+    let w: JobEvent = round_trip("job-event-withdrawn.json");
+    assert_eq!(w.state.routing_word(), "cancelled");
+    let req: CancelRequest = round_trip("cancel-request.json");
+    assert_eq!(req.job_id, "3f2a9c1e");
+    assert!(matches!(
+        round_trip::<CancelAnswer>("cancel-answer-withdrawn.json"),
+        CancelAnswer::Withdrawn { .. }
+    ));
+    assert!(matches!(
+        round_trip::<CancelAnswer>("cancel-answer-running.json"),
+        CancelAnswer::Running { .. }
+    ));
+    assert!(matches!(
+        round_trip::<CancelAnswer>("cancel-answer-refused.json"),
+        CancelAnswer::Refused { retry: false, .. }
+    ));
 }
 
 #[test]
@@ -151,6 +168,10 @@ fn every_state_change_has_its_own_stable_message_id() {
     assert_eq!(
         ev("job-event-queued.json"),
         format!("{id}.5c1d7e9a0b3f2468.queued")
+    );
+    assert_eq!(
+        ev("job-event-withdrawn.json"),
+        format!("{id}.5c1d7e9a0b3f2468.withdrawn")
     );
     assert_eq!(
         ev("job-event-duplicate.json"),

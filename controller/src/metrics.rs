@@ -164,11 +164,13 @@ pub fn cloud_op(op: &str) -> &'static str {
 /// The bounded `outcome` and `reason` labels of a job event about a job
 /// that ended, `None` for `started`. Outcomes: `finished` (reasons
 /// `exit-zero`, `exit-nonzero`, `signal`, `walltime`, `output-limit`,
-/// `failed-to-start`), `cancelled` (`cancelled`) and `failed`
+/// `failed-to-start`), `cancelled` (`cancelled`; `withdrawn` for a job
+/// cancelled while queued) and `failed`
 /// ([`failure_reason`]).
 pub fn job_end_labels(event: &JobEvent) -> Option<(&'static str, &'static str)> {
     Some(match &event.state {
         JobState::Queued { .. } | JobState::Started => return None,
+        JobState::Withdrawn { .. } => ("cancelled", "withdrawn"),
         JobState::Finished { outcome, .. } => match outcome {
             Outcome::Cancelled => ("cancelled", "cancelled"),
             Outcome::Exited { code: 0 } => ("finished", "exit-zero"),

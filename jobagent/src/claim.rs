@@ -17,6 +17,7 @@ use lapin::options::QueueDeleteOptions;
 use lapin::{Channel, Connection};
 use tokio::sync::watch;
 use vq_common::amqp::{bounded, claim_marker, AmqpError};
+use vq_common::jobs::cancel::{WITHDRAWN_AGENT, WITHDRAWN_CLAIM};
 use vq_common::lease::Marker;
 use vq_common::topology::Topology;
 
@@ -97,6 +98,26 @@ impl Markers {
     pub(crate) async fn look(&self, job_id: &str, claim: &str) -> Result<Marker, AmqpError> {
         let ch = self.channel().await?;
         claim_marker(&ch, &self.topo, job_id, &self.agent, claim, false).await
+    }
+
+    /// Whether the marker of job `job_id` is the controller's withdrawal
+    /// (`vq cancel` of a queued job, [`vq_common::jobs::cancel`]): asked
+    /// after a claim found the marker taken.
+    ///
+    /// # Errors
+    /// [`AmqpError`] when the broker cannot be asked.
+    pub(crate) async fn withdrawn(&self, job_id: &str) -> Result<bool, AmqpError> {
+        let ch = self.channel().await?;
+        let m = claim_marker(
+            &ch,
+            &self.topo,
+            job_id,
+            WITHDRAWN_AGENT,
+            WITHDRAWN_CLAIM,
+            false,
+        )
+        .await?;
+        Ok(m == Marker::Ours)
     }
 
     /// Declares the marker of a job this agent runs again, which restarts

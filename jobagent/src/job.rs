@@ -316,8 +316,30 @@ async fn claim_and_run(
         }
     };
     if marker != Marker::Ours {
-        info!("the job is claimed elsewhere: this delivery is a copy");
-        if same_session {
+        // Taken by another agent, or by the controller withdrawing the job
+        // (`vq cancel` while it was queued: dropped without a trace, the
+        // controller published its `withdrawn` event).
+        let withdrawn = match ctx.markers.withdrawn(&key).await {
+            Ok(w) => w,
+            Err(e) => {
+                // Unknown: the delivery goes back to the pool when the
+                // session ends, and the next claim asks again.
+                warn!(error = %chain(&e), "cannot tell whether a claimed-elsewhere job was withdrawn: returning it");
+                end_session(ctx, "withdrawal check not answered", &e);
+                same_session = false;
+                false
+            }
+        };
+        if withdrawn {
+            info!("the job was cancelled while queued: dropped, not run");
+            if same_session {
+                let q = ctx.topo.pool_queue(&ctx.cfg.pool);
+                if let Err(e) = ack_confirmed(&delivery.acker, jobs_ch, &q).await {
+                    warn!(error = %chain(&e), "ack of a withdrawn job not confirmed; its next delivery is dropped alike");
+                }
+            }
+        } else if same_session {
+            info!("the job is claimed elsewhere: this delivery is a copy");
             handle_copy(ctx, delivery, &key, jobs_ch, true).await;
         }
         if let Err(e) = ctx

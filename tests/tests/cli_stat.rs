@@ -287,6 +287,17 @@ async fn vq_stat_shows_each_submitter_its_jobs_operators_all_and_needs_a_validat
     let o = vq_stat(&suite.submitter, &cluster, &["--state", "Q", "--json"])?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).context(stderr(&o))?;
     ensure!(ids(&v) == [waits.id.clone()], "{v}");
+    // --pool: the pool's jobs only.
+    let o = vq_stat(&suite.submitter, &cluster, &["--pool", POOL, "--json"])?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).context(stderr(&o))?;
+    ensure!(ids(&v) == [ran.id.clone(), waits.id.clone()], "{v}");
+    let o = vq_stat(
+        &suite.submitter,
+        &cluster,
+        &["--pool", "elsewhere", "--json"],
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).context(stderr(&o))?;
+    ensure!(ids(&v).is_empty(), "{v}");
 
     // A query without user_id gets a refusal; one with another user's
     // user_id never reaches the controller (the broker refuses it).

@@ -5,6 +5,7 @@
 //! [`query`] holds the messages with which `vq stat` asks the controller
 //! for a page of it over AMQP, and the rule of who sees which job.
 
+pub mod cancel;
 pub mod query;
 pub mod table;
 

@@ -359,6 +359,15 @@ impl JobTable {
                 r.reason = Some(reason.clone());
                 r.ended_at = Some(ev.at);
             }
+            // Only a job no agent started: a start that won the race
+            // against the withdrawal keeps the job running (its cancel then
+            // goes to the agent).
+            JobState::Withdrawn { by } if r.state == State::Queued => {
+                r.state = State::Cancelled;
+                r.reason = Some(format!("cancelled by {by} while queued"));
+                r.ended_at = Some(ev.at);
+            }
+            JobState::Withdrawn { .. } => {}
         }
         r.letter = r.state.letter();
     }

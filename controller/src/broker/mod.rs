@@ -51,7 +51,7 @@ pub use lease::{lease_fate, FenceReport, LeaseFate};
 const OP_TIMEOUT: Duration = Duration::from_secs(15);
 
 struct Session {
-    conn: Connection,
+    conn: Arc<Connection>,
     channel: Channel,
     tasks: Vec<JoinHandle<()>>,
     /// The demand consumer and its channel, while this controller takes
@@ -210,7 +210,7 @@ impl Broker {
             sh.blocked = None;
         }
         *guard = None;
-        let conn = amqp::connect(&self.cfg, "vq-controller").await?;
+        let conn = Arc::new(amqp::connect(&self.cfg, "vq-controller").await?);
         let channel = amqp::confirm_channel(&conn).await?;
         amqp::declare_topology(&channel, &self.topo, self.pools.iter().map(String::as_str)).await?;
         amqp::declare_bound_queue(
@@ -269,8 +269,13 @@ impl Broker {
             if let Some(vis) = &self.job_queries {
                 // Answered in every session, complete or not: an answer
                 // says whether the table has caught up.
-                match crate::jobs::queries::start(&conn, &self.topo, jobs.clone(), vis.clone())
-                    .await
+                match crate::jobs::queries::start(
+                    conn.clone(),
+                    &self.topo,
+                    jobs.clone(),
+                    vis.clone(),
+                )
+                .await
                 {
                     Ok(task) => tasks.push(task),
                     Err(e) => tracing::warn!(

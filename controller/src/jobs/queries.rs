@@ -10,6 +10,13 @@
 //! `complete` flag: while the table is rebuilt from the stream (after a
 //! start or a reconnect) the answer says so instead of waiting.
 //!
+//! `vq cancel`'s requests (key `<c>.query.cancel`) come through the same
+//! consumer and are answered the same way with a
+//! [`vq_common::jobs::cancel::CancelAnswer`]; a queued job is withdrawn
+//! here (its claim marker taken, its `withdrawn` event published). Every
+//! controller, leader or standby, answers: a withdrawal is idempotent
+//! (the same marker, the same event `message_id`).
+//!
 //! The consumer runs apart from the reconcile cycle and holds the table's
 //! read lock only while it copies out one page.
 
@@ -19,9 +26,11 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::{BasicProperties, Channel, Connection};
 use vq_common::amqp::{self, AmqpError};
-use vq_common::jobs::{answer, JobPage, Visibility};
-use vq_common::messages::Message;
-use vq_common::topology::Topology;
+use vq_common::jobs::cancel::{self, CancelAnswer, CancelStep, WITHDRAWN_AGENT, WITHDRAWN_CLAIM};
+use vq_common::jobs::{answer, JobPage, JobRecord, Visibility};
+use vq_common::lease::Marker;
+use vq_common::messages::{JobEvent, JobState, Message};
+use vq_common::topology::{job_event_key, Topology};
 
 use super::feed::SharedJobs;
 
@@ -36,31 +45,31 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`AmqpError`] if the channel, the queue, its binding or the consumer
 /// cannot be set up.
 pub async fn start(
-    conn: &Connection,
+    conn: Arc<Connection>,
     topo: &Topology,
     jobs: SharedJobs,
     vis: Arc<Visibility>,
 ) -> Result<tokio::task::JoinHandle<()>, AmqpError> {
-    let ch = conn
-        .create_channel()
-        .await
-        .map_err(AmqpError::op("channel.open (job queries)"))?;
+    let ch = amqp::confirm_channel(&conn).await?;
     let key = topo.job_query_key();
+    let cancel_key = topo.cancel_query_key();
     let consumer = amqp::subscribe(
         &ch,
         "",
         &topo.control_exchange(),
-        &[key.as_str()],
+        &[key.as_str(), cancel_key.as_str()],
         "vq-controller-queries",
     )
     .await?;
-    Ok(tokio::spawn(serve(
-        consumer,
+    let answerer = Answerer {
         ch,
-        topo.replies_exchange(),
+        conn,
+        markers: None,
+        topo: topo.clone(),
         jobs,
         vis,
-    )))
+    };
+    Ok(tokio::spawn(answerer.serve(consumer)))
 }
 
 /// Whether `reply_to` names a reply queue the controller answers to: a
@@ -70,71 +79,182 @@ pub fn valid_reply_to(reply_to: &str) -> bool {
     reply_to.starts_with("amq.gen-") && reply_to.len() <= 255
 }
 
-async fn serve(
-    mut consumer: lapin::Consumer,
+struct Answerer {
+    /// Confirm channel: answers and withdrawal events.
     ch: Channel,
-    replies: String,
+    conn: Arc<Connection>,
+    /// Channel of claim-marker declarations (a 406 closes it), opened on
+    /// first use and again after each close.
+    markers: Option<Channel>,
+    topo: Topology,
     jobs: SharedJobs,
     vis: Arc<Visibility>,
-) {
-    while let Some(delivery) = consumer.next().await {
-        let delivery = match delivery {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(error = %e, "job-query consumer failed");
-                break;
+}
+
+impl Answerer {
+    async fn serve(mut self, mut consumer: lapin::Consumer) {
+        let cancel_key = self.topo.cancel_query_key();
+        while let Some(delivery) = consumer.next().await {
+            let delivery = match delivery {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(error = %e, "job-query consumer failed");
+                    break;
+                }
+            };
+            let props = &delivery.properties;
+            let Some(reply_to) = props.reply_to().as_ref().map(|r| r.to_string()) else {
+                tracing::debug!("job query without reply_to dropped");
+                continue;
+            };
+            if !valid_reply_to(&reply_to) {
+                tracing::debug!(
+                    reply_to,
+                    "job query with a reply_to that is no amq.gen- queue dropped"
+                );
+                continue;
             }
-        };
-        let props = &delivery.properties;
-        let Some(reply_to) = props.reply_to().as_ref().map(|r| r.to_string()) else {
-            tracing::debug!("job query without reply_to dropped");
-            continue;
-        };
-        if !valid_reply_to(&reply_to) {
-            tracing::debug!(
-                reply_to,
-                "job query with a reply_to that is no amq.gen- queue dropped"
-            );
-            continue;
-        }
-        let user_id = props.user_id().as_ref().map(|u| u.to_string());
-        let page: JobPage = {
-            let v = jobs.read().unwrap_or_else(|p| p.into_inner());
-            answer(
-                &v.table,
-                v.complete,
-                &vis,
-                user_id.as_deref(),
-                &delivery.data,
+            let user_id = props.user_id().as_ref().map(|u| u.to_string());
+            let (body, kind) = if delivery.routing_key.as_str() == cancel_key {
+                let answer = self.cancel(user_id.as_deref(), &delivery.data).await;
+                (answer.encode(), CancelAnswer::KIND)
+            } else {
+                let page = self.page(user_id.as_deref(), &delivery.data);
+                (page.encode(), JobPage::KIND)
+            };
+            let mut out: BasicProperties = amqp::json_properties::<JobPage>()
+                .with_type(kind.into())
+                .with_delivery_mode(1);
+            if let Some(c) = props.correlation_id() {
+                out = out.with_correlation_id(c.clone());
+            }
+            if let Err(e) = amqp::publish_confirmed(
+                &self.ch,
+                &self.topo.replies_exchange(),
+                &reply_to,
+                &body,
+                out,
+                false,
+                REPLY_TIMEOUT,
             )
+            .await
+            {
+                tracing::warn!(error = %vq_common::error::chain(&e), "cannot answer a job query");
+                if !self.ch.status().connected() {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn page(&self, user_id: Option<&str>, body: &[u8]) -> JobPage {
+        let page: JobPage = {
+            let v = self.jobs.read().unwrap_or_else(|p| p.into_inner());
+            answer(&v.table, v.complete, &self.vis, user_id, body)
         };
         tracing::debug!(
-            requester = user_id.as_deref().unwrap_or("-"),
+            requester = user_id.unwrap_or("-"),
             rows = page.jobs.len(),
             complete = page.complete,
             error = page.error.as_deref().unwrap_or(""),
             "job query answered"
         );
-        let mut out: BasicProperties = amqp::json_properties::<JobPage>().with_delivery_mode(1);
-        if let Some(c) = props.correlation_id() {
-            out = out.with_correlation_id(c.clone());
-        }
-        if let Err(e) = amqp::publish_confirmed(
+        page
+    }
+
+    /// Decides and carries out a `vq cancel` request
+    /// ([`vq_common::jobs::cancel`]).
+    async fn cancel(&mut self, user_id: Option<&str>, body: &[u8]) -> CancelAnswer {
+        let step = {
+            let v = self.jobs.read().unwrap_or_else(|p| p.into_inner());
+            cancel::decide(&v.table, v.complete, &self.vis, user_id, body)
+        };
+        let by = user_id.unwrap_or("-");
+        let answer = match step {
+            CancelStep::Answer(a) => a,
+            CancelStep::Withdraw(job) => match self.withdraw(&job, by).await {
+                Ok(a) => a,
+                Err(e) => {
+                    let reason = format!(
+                        "the broker did not confirm the withdrawal of job {}: {}; the job may still run, cancel it again",
+                        job.id,
+                        vq_common::error::chain(&e)
+                    );
+                    tracing::warn!(job_id = %job.id, requester = by, "{reason}");
+                    CancelAnswer::Refused {
+                        reason,
+                        retry: true,
+                    }
+                }
+            },
+        };
+        tracing::info!(requester = by, answer = ?answer, "cancel request answered");
+        answer
+    }
+
+    /// Takes the claim marker of queued job `job` for the withdrawal, then
+    /// publishes (and applies to the table at once) its
+    /// [`JobState::Withdrawn`] event.
+    async fn withdraw(&mut self, job: &JobRecord, by: &str) -> Result<CancelAnswer, AmqpError> {
+        let ch = match self.markers.as_ref().filter(|c| c.status().connected()) {
+            Some(c) => c.clone(),
+            None => {
+                let c = self
+                    .conn
+                    .create_channel()
+                    .await
+                    .map_err(AmqpError::op("channel.open (claim markers)"))?;
+                self.markers = Some(c.clone());
+                c
+            }
+        };
+        let marker = amqp::claim_marker(
             &ch,
-            &replies,
-            &reply_to,
-            &page.encode(),
-            out,
+            &self.topo,
+            &job.id,
+            WITHDRAWN_AGENT,
+            WITHDRAWN_CLAIM,
+            true,
+        )
+        .await?;
+        if marker != Marker::Ours {
+            // An agent's claim came first: its `started` is on the way.
+            return Ok(CancelAnswer::Starting {
+                job_id: job.id.clone(),
+            });
+        }
+        let mut event = JobEvent::about(
+            None,
+            &job.id,
+            &job.pool,
+            "",
+            None,
+            JobState::Withdrawn { by: by.to_string() },
+        );
+        event.owner = job.owner.clone();
+        event.job_name = job.name.clone();
+        event.submission = job.submission.clone();
+        amqp::publish_confirmed(
+            &self.ch,
+            &self.topo.events_exchange(),
+            &job_event_key(&job.pool, event.state.routing_word()),
+            &event.encode(),
+            amqp::event_properties(&event),
             false,
             REPLY_TIMEOUT,
         )
-        .await
-        {
-            tracing::warn!(error = %vq_common::error::chain(&e), "cannot answer a job query");
-            if !ch.status().connected() {
-                break;
-            }
-        }
+        .await?;
+        // The table shows `X` at once; the stream's copy of the event is
+        // then a duplicate by message_id.
+        self.jobs
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .table
+            .apply(&event, Some(&event.message_id()));
+        tracing::info!(job_id = %job.id, pool = %job.pool, by, "queued job withdrawn: no agent will run it");
+        Ok(CancelAnswer::Withdrawn {
+            job_id: job.id.clone(),
+        })
     }
 }
 
