@@ -106,6 +106,7 @@ async fn vq(url: String, cluster: &str, args: &[&str]) -> anyhow::Result<Ran> {
     let cluster = cluster.to_string();
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let argv = args.clone();
+    let t0 = std::time::Instant::now();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(bin)
             .env("VQ_BROKER_URL", url)
@@ -122,8 +123,9 @@ async fn vq(url: String, cluster: &str, args: &[&str]) -> anyhow::Result<Ran> {
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     };
     eprintln!(
-        "vq {args:?} -> {:?}\n  stdout: {}\n  stderr: {}",
+        "vq {args:?} -> {:?} in {} ms\n  stdout: {}\n  stderr: {}",
         ran.code,
+        t0.elapsed().as_millis(),
         ran.stdout.trim(),
         ran.stderr.trim()
     );
