@@ -367,7 +367,7 @@ async fn run_session(
             },
             c = control.next() => match c {
                 Some(Ok(msg)) => {
-                    let from = From::of(&msg.properties);
+                    let from = Requester::of(&msg.properties);
                     on_control(ctx, &jobs_ch, &mut consumer, &msg.data, &from, pub_conn).await?
                 }
                 Some(Err(e)) => return Err(AmqpError::op("consume control queue")(e).into()),
@@ -677,7 +677,7 @@ async fn dispatch(
 }
 
 /// Who sent a control message, and where it wants its answer.
-struct From {
+struct Requester {
     /// The broker-validated `user_id`.
     user: Option<String>,
     /// `reply_to` (a reply queue bound on `<c>.replies`), if an answer is
@@ -687,10 +687,10 @@ struct From {
     correlation: Option<String>,
 }
 
-impl From {
-    fn of(p: &lapin::BasicProperties) -> From {
+impl Requester {
+    fn of(p: &lapin::BasicProperties) -> Requester {
         let s = |v: &Option<lapin::types::ShortString>| v.as_ref().map(|v| v.as_str().to_string());
-        From {
+        Requester {
             user: s(p.user_id()),
             reply_to: s(p.reply_to()),
             correlation: s(p.correlation_id()),
@@ -716,7 +716,7 @@ async fn on_control(
     jobs_ch: &Channel,
     consumer: &mut Option<Consumer>,
     body: &[u8],
-    from: &From,
+    from: &Requester,
     pub_conn: &Arc<Connection>,
 ) -> Result<(), AgentError> {
     let msg = match Control::decode(body) {
@@ -861,7 +861,7 @@ async fn on_control(
 /// controller) gets no answer.
 fn answer_control(
     ctx: &Arc<Ctx>,
-    from: &From,
+    from: &Requester,
     pub_conn: &Arc<Connection>,
     request: ControlRequest,
     job_id: Option<String>,
