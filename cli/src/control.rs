@@ -377,7 +377,7 @@ async fn cancel_from_stream(
             ),
         });
     }
-    let agent = cancel_target(job, &user, is_root)?;
+    let agent = cancel_target(&job, &user, is_root)?;
     cancel_running(conn, settings, &job.id, agent, timeout).await
 }
 
@@ -446,10 +446,10 @@ mod tests {
     fn only_the_owner_or_root_cancels_a_running_job() {
         let running = table_of(&[ev("j", "alice", "ag1", 1.0, JobState::Started)]);
         let running = running.get("j").unwrap();
-        assert_eq!(cancel_target(running, "alice", false).unwrap(), "ag1");
-        assert_eq!(cancel_target(running, "root", true).unwrap(), "ag1");
+        assert_eq!(cancel_target(&running, "alice", false).unwrap(), "ag1");
+        assert_eq!(cancel_target(&running, "root", true).unwrap(), "ag1");
         assert!(matches!(
-            cancel_target(running, "bob", false),
+            cancel_target(&running, "bob", false),
             Err(CliError::NotOwner { .. })
         ));
         let done = table_of(&[
@@ -465,7 +465,7 @@ mod tests {
                 },
             ),
         ]);
-        let err = cancel_target(done.get("j").unwrap(), "alice", false).unwrap_err();
+        let err = cancel_target(&done.get("j").unwrap(), "alice", false).unwrap_err();
         assert!(err.to_string().contains("C completed"), "{err}");
     }
 

@@ -228,7 +228,7 @@ pub async fn read_job_table(
 ///
 /// # Errors
 /// [`CliError::UnknownJob`] or [`CliError::AmbiguousJob`].
-pub fn find_job<'a>(table: &'a JobTable, wanted: &str) -> Result<&'a JobRecord, CliError> {
+pub fn find_job(table: &JobTable, wanted: &str) -> Result<JobRecord, CliError> {
     table.find(wanted).map_err(|e| match e {
         FindError::Unknown => CliError::UnknownJob {
             job_id: wanted.to_string(),

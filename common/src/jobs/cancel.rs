@@ -180,7 +180,7 @@ pub fn decide(
         }
     };
     let operator = vis.operators.iter().any(|o| o == user);
-    if !operator && !own(r, user) {
+    if !operator && !own(&r, user) {
         return refused(
             format!(
                 "job {} is not yours (owner {}): only its owner, the broker user that submitted it and the controller's [jobs] operators may cancel it",
@@ -190,7 +190,7 @@ pub fn decide(
         );
     }
     match r.state {
-        State::Queued => CancelStep::Withdraw(Box::new(r.clone())),
+        State::Queued => CancelStep::Withdraw(Box::new(r)),
         State::Running => CancelStep::Answer(CancelAnswer::Running {
             job_id: r.id.clone(),
             agent: r.agent.clone(),

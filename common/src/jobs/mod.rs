@@ -10,4 +10,4 @@ pub mod query;
 pub mod table;
 
 pub use query::{answer, JobPage, JobQuery, Visibility, DEFAULT_PAGE, MAX_PAGE};
-pub use table::{Filter, FindError, JobRecord, JobTable, State};
+pub use table::{Filter, FindError, JobBrief, JobRecord, JobTable, State};

@@ -179,7 +179,7 @@ pub fn answer(
     if !q.ids.is_empty() {
         for id in &q.ids {
             match table.find(id) {
-                Ok(r) if sees_all || own(r, user) => page.jobs.push(r.clone()),
+                Ok(r) if sees_all || own(&r, user) => page.jobs.push(r),
                 Ok(r) => {
                     return JobPage::refusal(
                         complete,
@@ -216,7 +216,7 @@ pub fn answer(
     };
     let limit = q.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE) as usize;
     let (rows, next) = table.query(&filter, q.after, limit);
-    page.jobs = rows.into_iter().cloned().collect();
+    page.jobs = rows;
     page.next = next;
     page
 }

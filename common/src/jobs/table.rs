@@ -16,7 +16,8 @@
 //! [`JobTable::expire`] seconds after their end, as Torque's
 //! `keep_completed`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -121,12 +122,170 @@ pub struct JobRecord {
     pub usage: Option<crate::messages::Usage>,
 }
 
-/// One job in the table, with the `message_id`s applied to it (as 64-bit
-/// FNV-1a hashes: only compared among one job's few events).
+/// A shared, interned string: the names that repeat across jobs (owners,
+/// pools, agents, submitters, job names, reasons, work directories, submit
+/// hosts) are held once ([`Interner`]).
+type Name = Arc<str>;
+
+/// The set of names the table holds; a name no record uses any more is
+/// dropped by [`JobTable::expire`].
+#[derive(Debug, Default)]
+struct Interner {
+    set: HashSet<Name>,
+}
+
+impl Interner {
+    fn name(&mut self, s: &str) -> Name {
+        if let Some(n) = self.set.get(s) {
+            return n.clone();
+        }
+        let n: Name = Arc::from(s);
+        self.set.insert(n.clone());
+        n
+    }
+
+    fn opt(&mut self, s: Option<&str>) -> Option<Name> {
+        s.map(|s| self.name(s))
+    }
+
+    /// Forgets the names only the interner holds.
+    fn sweep(&mut self) {
+        self.set.retain(|n| Arc::strong_count(n) > 1);
+    }
+}
+
+/// A [`JobRequest`] as the table stores it (names interned, the per-job
+/// output paths boxed).
 #[derive(Debug)]
-struct Slot {
-    rec: JobRecord,
+struct Req {
+    group: Option<Name>,
+    shell: Option<Name>,
+    workdir: Option<Name>,
+    stdout: Option<Box<str>>,
+    stderr: Option<Box<str>>,
+    join: crate::messages::Join,
+    walltime: Option<u64>,
+    slots: u32,
+    mem: Option<u64>,
+    rerunnable: bool,
+    submit_host: Name,
+    submitted_at: u64,
+}
+
+impl Req {
+    fn of(q: &JobRequest, names: &mut Interner) -> Req {
+        Req {
+            group: names.opt(q.group.as_deref()),
+            shell: names.opt(q.shell.as_deref()),
+            workdir: names.opt(q.workdir.as_deref()),
+            stdout: q.stdout.as_deref().map(Box::from),
+            stderr: q.stderr.as_deref().map(Box::from),
+            join: q.join,
+            walltime: q.walltime,
+            slots: q.slots,
+            mem: q.mem,
+            rerunnable: q.rerunnable,
+            submit_host: names.name(&q.submit_host),
+            submitted_at: q.submitted_at,
+        }
+    }
+
+    fn to_request(&self) -> JobRequest {
+        let s = |n: &Option<Name>| n.as_deref().map(str::to_string);
+        JobRequest {
+            group: s(&self.group),
+            shell: s(&self.shell),
+            workdir: s(&self.workdir),
+            stdout: self.stdout.as_deref().map(str::to_string),
+            stderr: self.stderr.as_deref().map(str::to_string),
+            join: self.join,
+            walltime: self.walltime,
+            slots: self.slots,
+            mem: self.mem,
+            rerunnable: self.rerunnable,
+            submit_host: self.submit_host.to_string(),
+            submitted_at: self.submitted_at,
+        }
+    }
+}
+
+/// A time the table may not know: NaN for none (8 bytes, not 16).
+#[derive(Debug, Clone, Copy)]
+struct When(f64);
+
+impl When {
+    const NONE: When = When(f64::NAN);
+    fn get(self) -> Option<f64> {
+        (!self.0.is_nan()).then_some(self.0)
+    }
+    fn set(&mut self, t: Option<f64>) {
+        self.0 = t.unwrap_or(f64::NAN);
+    }
+}
+
+/// One job as the table stores it (a [`JobRecord`] is made from it on
+/// demand, [`Rec::to_record`]): interned names, times without an `Option`
+/// tag, the request boxed. Its `message_id`s applied (as 64-bit FNV-1a
+/// hashes: only compared among one job's few events) are kept beside it.
+#[derive(Debug)]
+struct Rec {
+    id: Name,
+    submission: Option<Box<str>>,
+    name: Name,
+    owner: Name,
+    pool: Name,
+    submitter: Option<Name>,
+    agent: Option<Name>,
+    state: State,
+    attempt: u32,
+    exit_status: Option<i32>,
+    reason: Option<Name>,
+    request: Option<Box<Req>>,
+    queued_at: When,
+    started_at: When,
+    ended_at: When,
+    usage: Option<crate::messages::Usage>,
     seen: Vec<u64>,
+}
+
+impl Rec {
+    fn to_record(&self) -> JobRecord {
+        JobRecord {
+            id: self.id.to_string(),
+            submission: self.submission.as_deref().map(str::to_string),
+            name: self.name.to_string(),
+            owner: self.owner.to_string(),
+            pool: self.pool.to_string(),
+            submitter: self.submitter.as_deref().map(str::to_string),
+            state: self.state,
+            letter: self.state.letter(),
+            agent: self.agent.as_deref().unwrap_or("").to_string(),
+            attempt: self.attempt,
+            exit_status: self.exit_status,
+            reason: self.reason.as_deref().map(str::to_string),
+            request: self.request.as_ref().map(|q| q.to_request()),
+            queued_at: self.queued_at.get(),
+            started_at: self.started_at.get(),
+            ended_at: self.ended_at.get(),
+            usage: self.usage,
+        }
+    }
+
+    fn is_owned_by(&self, user: &str) -> bool {
+        &*self.owner == user || self.submitter.as_deref() == Some(user)
+    }
+}
+
+/// What [`JobTable::each`] shows of a job: enough to count demand without
+/// making a [`JobRecord`].
+#[derive(Debug, Clone, Copy)]
+pub struct JobBrief<'a> {
+    /// The job's pool.
+    pub pool: &'a str,
+    /// Its state.
+    pub state: State,
+    /// Slots it asks for (`request.slots`, 1 when unknown).
+    pub slots: u32,
 }
 
 /// The jobs of one id: their sequence numbers (usually one: an id is
@@ -159,9 +318,10 @@ fn hash_id(id: &str) -> u64 {
 /// user's query among a million jobs reads only that user's records.
 #[derive(Debug, Default)]
 pub struct JobTable {
-    recs: BTreeMap<u64, Slot>,
-    ids: BTreeMap<String, IdEntry>,
-    by_user: HashMap<String, BTreeSet<u64>>,
+    recs: BTreeMap<u64, Rec>,
+    ids: BTreeMap<Name, IdEntry>,
+    by_user: HashMap<Name, BTreeSet<u64>>,
+    names: Interner,
     next_seq: u64,
     /// Events applied since the table was (re)built.
     pub events_applied: u64,
@@ -183,21 +343,22 @@ impl JobTable {
         self.recs.is_empty()
     }
 
-    fn index_user(&mut self, user: &str, seq: u64) {
+    fn index_user(&mut self, user: &Name, seq: u64) {
         if user.is_empty() {
             return;
         }
-        match self.by_user.get_mut(user) {
+        match self.by_user.get_mut(&**user) {
             Some(set) => {
                 set.insert(seq);
             }
             None => {
-                self.by_user.insert(user.to_string(), BTreeSet::from([seq]));
+                self.by_user.insert(user.clone(), BTreeSet::from([seq]));
             }
         }
     }
 
     fn unindex_user(&mut self, user: &str, seq: u64) {
+        let user: &str = user;
         if let Some(set) = self.by_user.get_mut(user) {
             set.remove(&seq);
             if set.is_empty() {
@@ -215,18 +376,18 @@ impl JobTable {
             return;
         }
         let recs = &self.recs;
-        let found = self.ids.get(&ev.job_id).map(|e| {
+        let found = self.ids.get(ev.job_id.as_str()).map(|e| {
             let latest_sub = e
                 .latest
                 .and_then(|q| recs.get(&q))
-                .and_then(|s| s.rec.submission.clone());
+                .and_then(|r| r.submission.clone());
             let submission = match &ev.submission {
-                Some(s) => Some(s.clone()),
+                Some(s) => Some(Box::from(s.as_str())),
                 None => latest_sub,
             };
             let seq = e
                 .seqs()
-                .find(|q| recs.get(q).is_some_and(|s| s.rec.submission == submission));
+                .find(|q| recs.get(q).is_some_and(|r| r.submission == submission));
             (submission, seq)
         });
         let (submission, seq, fresh) = match found {
@@ -234,7 +395,7 @@ impl JobTable {
             Some((sub, None)) => {
                 let q = self.next_seq;
                 self.next_seq += 1;
-                let e = self.ids.get_mut(&ev.job_id).expect("found above");
+                let e = self.ids.get_mut(ev.job_id.as_str()).expect("found above");
                 e.more.push(q);
                 (sub, q, true)
             }
@@ -242,73 +403,76 @@ impl JobTable {
                 let q = self.next_seq;
                 self.next_seq += 1;
                 self.ids.insert(
-                    ev.job_id.clone(),
+                    Name::from(ev.job_id.as_str()),
                     IdEntry {
                         first: q,
                         more: Vec::new(),
                         latest: None,
                     },
                 );
-                (ev.submission.clone(), q, true)
+                (ev.submission.as_deref().map(Box::from), q, true)
             }
         };
-        if let Some(e) = self.ids.get_mut(&ev.job_id) {
+        let id = match self.ids.get_key_value(ev.job_id.as_str()) {
+            Some((k, _)) => k.clone(),
+            None => Name::from(ev.job_id.as_str()),
+        };
+        if let Some(e) = self.ids.get_mut(ev.job_id.as_str()) {
             e.latest = Some(seq);
         }
         if fresh {
-            self.recs.insert(
-                seq,
-                Slot {
-                    rec: JobRecord {
-                        id: ev.job_id.clone(),
-                        submission,
-                        name: ev.job_name.clone(),
-                        owner: ev.owner.clone(),
-                        pool: ev.pool.clone(),
-                        submitter: None,
-                        state: State::Queued,
-                        letter: 'Q',
-                        agent: String::new(),
-                        attempt: 0,
-                        exit_status: None,
-                        reason: None,
-                        request: None,
-                        queued_at: None,
-                        started_at: None,
-                        ended_at: None,
-                        usage: None,
-                    },
-                    seen: Vec::new(),
-                },
-            );
-            self.index_user(&ev.owner, seq);
+            let owner = self.names.name(&ev.owner);
+            let rec = Rec {
+                id,
+                submission,
+                name: self.names.name(&ev.job_name),
+                owner: owner.clone(),
+                pool: self.names.name(&ev.pool),
+                submitter: None,
+                state: State::Queued,
+                agent: None,
+                attempt: 0,
+                exit_status: None,
+                reason: None,
+                request: None,
+                queued_at: When::NONE,
+                started_at: When::NONE,
+                ended_at: When::NONE,
+                usage: None,
+                seen: Vec::new(),
+            };
+            self.recs.insert(seq, rec);
+            self.index_user(&owner, seq);
         }
-        let slot = self.recs.get_mut(&seq).expect("indexed jobs have a record");
+        let r = self.recs.get_mut(&seq).expect("indexed jobs have a record");
         if let Some(id) = message_id {
             let h = hash_id(id);
-            if slot.seen.contains(&h) {
+            if r.seen.contains(&h) {
                 return;
             }
-            slot.seen.push(h);
+            r.seen.push(h);
         }
         self.events_applied += 1;
-        let r = &mut slot.rec;
-        if !ev.job_name.is_empty() {
-            r.name = ev.job_name.clone();
+        let names = &mut self.names;
+        if !ev.job_name.is_empty() && *r.name != *ev.job_name {
+            r.name = names.name(&ev.job_name);
         }
         let mut old_owner = None;
-        if !ev.owner.is_empty() && r.owner != ev.owner {
-            old_owner = Some(std::mem::replace(&mut r.owner, ev.owner.clone()));
+        if !ev.owner.is_empty() && *r.owner != *ev.owner {
+            old_owner = Some(std::mem::replace(&mut r.owner, names.name(&ev.owner)));
         }
         let mut new_submitter = None;
-        if r.submitter.is_none() && ev.submitter.is_some() {
-            r.submitter = ev.submitter.clone();
-            new_submitter = ev.submitter.clone();
+        if r.submitter.is_none() {
+            if let Some(s) = ev.submitter.as_deref() {
+                let s = names.name(s);
+                r.submitter = Some(s.clone());
+                new_submitter = Some(s);
+            }
         }
-        Self::fold(r, ev);
+        Self::fold(r, ev, names);
         let (owner, submitter) = (r.owner.clone(), r.submitter.clone());
         if let Some(old) = old_owner {
-            if submitter.as_deref() != Some(old.as_str()) {
+            if submitter.as_deref() != Some(&*old) {
                 self.unindex_user(&old, seq);
             }
             self.index_user(&owner, seq);
@@ -318,11 +482,11 @@ impl JobTable {
         }
     }
 
-    fn fold(r: &mut JobRecord, ev: &JobEvent) {
+    fn fold(r: &mut Rec, ev: &JobEvent, names: &mut Interner) {
         match &ev.state {
             JobState::Queued { request } => {
-                r.request = Some(request.clone());
-                r.queued_at = Some(ev.at);
+                r.request = Some(Box::new(Req::of(request, names)));
+                r.queued_at.set(Some(ev.at));
             }
             JobState::Started => {
                 // A start older than the latest one (reordered copies) does
@@ -330,9 +494,9 @@ impl JobTable {
                 if ev.attempt >= r.attempt {
                     r.state = State::Running;
                     r.attempt = ev.attempt;
-                    r.agent = ev.agent.clone();
-                    r.started_at = Some(ev.at);
-                    r.ended_at = None;
+                    r.agent = names.opt(Some(ev.agent.as_str()).filter(|a| !a.is_empty()));
+                    r.started_at.set(Some(ev.at));
+                    r.ended_at = When::NONE;
                     r.exit_status = None;
                     r.reason = None;
                     r.usage = None;
@@ -342,56 +506,56 @@ impl JobTable {
                 r.state = match outcome {
                     Outcome::Cancelled => State::Cancelled,
                     Outcome::FailedToStart { reason } => {
-                        r.reason = Some(reason.clone());
+                        r.reason = Some(names.name(reason));
                         State::Failed
                     }
                     _ => State::Completed,
                 };
                 if !ev.agent.is_empty() {
-                    r.agent = ev.agent.clone();
+                    r.agent = Some(names.name(&ev.agent));
                 }
                 r.exit_status = Some(outcome.exit_status());
-                r.ended_at = Some(ev.at);
+                r.ended_at.set(Some(ev.at));
                 r.usage = Some(*usage);
             }
             JobState::Failed { reason } => {
                 r.state = State::Failed;
-                r.reason = Some(reason.clone());
-                r.ended_at = Some(ev.at);
+                r.reason = Some(names.name(reason));
+                r.ended_at.set(Some(ev.at));
             }
             // Only a job no agent started: a start that won the race
             // against the withdrawal keeps the job running (its cancel then
             // goes to the agent).
             JobState::Withdrawn { by } if r.state == State::Queued => {
                 r.state = State::Cancelled;
-                r.reason = Some(format!("cancelled by {by} while queued"));
-                r.ended_at = Some(ev.at);
+                r.reason = Some(names.name(&format!("cancelled by {by} while queued")));
+                r.ended_at.set(Some(ev.at));
             }
             JobState::Withdrawn { .. } => {}
         }
-        r.letter = r.state.letter();
     }
 
     /// Forgets jobs that ended more than `keep_secs` before `now` (Unix
-    /// seconds; Torque's `keep_completed`). Returns how many were dropped.
+    /// seconds; Torque's `keep_completed`), and the names no job uses any
+    /// more. Returns how many jobs were dropped.
     pub fn expire(&mut self, now: f64, keep_secs: f64) -> usize {
         let old: Vec<u64> = self
             .recs
             .iter()
-            .filter(|(_, s)| {
-                s.rec.state.ended() && s.rec.ended_at.is_some_and(|e| now - e > keep_secs)
+            .filter(|(_, r)| {
+                r.state.ended() && r.ended_at.get().is_some_and(|e| now - e > keep_secs)
             })
             .map(|(q, _)| *q)
             .collect();
         for seq in &old {
-            let Some(Slot { rec, .. }) = self.recs.remove(seq) else {
+            let Some(rec) = self.recs.remove(seq) else {
                 continue;
             };
             self.unindex_user(&rec.owner, *seq);
             if let Some(s) = &rec.submitter {
                 self.unindex_user(s, *seq);
             }
-            if let Some(e) = self.ids.get_mut(&rec.id) {
+            if let Some(e) = self.ids.get_mut(&*rec.id) {
                 if e.latest == Some(*seq) {
                     e.latest = None;
                 }
@@ -402,23 +566,30 @@ impl JobTable {
                         e.more = more.to_vec();
                     }
                     None => {
-                        self.ids.remove(&rec.id);
+                        self.ids.remove(&*rec.id);
                     }
                 }
             }
         }
+        if !old.is_empty() {
+            self.names.sweep();
+        }
         old.len()
     }
 
-    /// The latest job named `id`.
-    pub fn get(&self, id: &str) -> Option<&JobRecord> {
+    fn get_rec(&self, id: &str) -> Option<&Rec> {
         let e = self.ids.get(id)?;
         // After the latest job expired, the submission-less one (if any).
         let seq = e.latest.or_else(|| {
             e.seqs()
-                .find(|q| self.recs.get(q).is_some_and(|s| s.rec.submission.is_none()))
+                .find(|q| self.recs.get(q).is_some_and(|r| r.submission.is_none()))
         })?;
-        self.recs.get(&seq).map(|s| &s.rec)
+        self.recs.get(&seq)
+    }
+
+    /// The latest job named `id`.
+    pub fn get(&self, id: &str) -> Option<JobRecord> {
+        self.get_rec(id).map(Rec::to_record)
     }
 
     /// The job `wanted` names: the exact id, else the one id that starts
@@ -428,9 +599,9 @@ impl JobTable {
     /// # Errors
     /// [`FindError::Unknown`] or [`FindError::Ambiguous`] (with the
     /// matching ids, sorted).
-    pub fn find(&self, wanted: &str) -> Result<&JobRecord, FindError> {
-        if let Some(r) = self.get(wanted) {
-            return Ok(r);
+    pub fn find(&self, wanted: &str) -> Result<JobRecord, FindError> {
+        if let Some(r) = self.get_rec(wanted) {
+            return Ok(r.to_record());
         }
         if wanted.is_empty() {
             return Err(FindError::Unknown);
@@ -441,7 +612,7 @@ impl JobTable {
                 std::ops::Bound::Included(wanted),
                 std::ops::Bound::Unbounded,
             ))
-            .map(|(id, _)| id.as_str())
+            .map(|(id, _)| &**id)
             .take_while(|id| id.starts_with(wanted))
             .take(20)
             .collect();
@@ -454,6 +625,23 @@ impl JobTable {
         }
     }
 
+    fn candidates(
+        &self,
+        user: Option<&String>,
+        start: u64,
+    ) -> Box<dyn Iterator<Item = (u64, &Rec)> + '_> {
+        match user {
+            Some(u) => match self.by_user.get(u.as_str()) {
+                Some(set) => Box::new(
+                    set.range(start..)
+                        .filter_map(|q| self.recs.get(q).map(|r| (*q, r))),
+                ),
+                None => Box::new(std::iter::empty()),
+            },
+            None => Box::new(self.recs.range(start..).map(|(q, r)| (*q, r))),
+        }
+    }
+
     /// Jobs matching `filter`, in order of first event, at most `limit`,
     /// starting after position `after` (a cursor from an earlier page);
     /// returns them and the cursor of the next page, if any. A filter on
@@ -463,32 +651,37 @@ impl JobTable {
         filter: &Filter,
         after: Option<u64>,
         limit: usize,
-    ) -> (Vec<&JobRecord>, Option<u64>) {
+    ) -> (Vec<JobRecord>, Option<u64>) {
         let start = after.map_or(0, |a| a + 1);
         let user = filter.owner.as_ref().or(filter.visible_to.as_ref());
-        let candidates: Box<dyn Iterator<Item = (u64, &JobRecord)>> = match user {
-            Some(u) => match self.by_user.get(u) {
-                Some(set) => Box::new(
-                    set.range(start..)
-                        .filter_map(|q| self.recs.get(q).map(|s| (*q, &s.rec))),
-                ),
-                None => Box::new(std::iter::empty()),
-            },
-            None => Box::new(self.recs.range(start..).map(|(q, s)| (*q, &s.rec))),
-        };
         let mut out = Vec::new();
         let mut last = None;
-        for (seq, r) in candidates {
-            if !filter.matches(r) {
+        for (seq, r) in self.candidates(user, start) {
+            if !filter.matches_rec(r) {
                 continue;
             }
             if out.len() == limit {
                 return (out, last);
             }
-            out.push(r);
+            out.push(r.to_record());
             last = Some(seq);
         }
         (out, None)
+    }
+
+    /// Calls `f` with a [`JobBrief`] of every job in one of `states` (all
+    /// when empty), in order of first event, without making records (the
+    /// controller's slot demand, every cycle).
+    pub fn each(&self, states: &[State], mut f: impl FnMut(JobBrief<'_>)) {
+        for r in self.recs.values() {
+            if states.is_empty() || states.contains(&r.state) {
+                f(JobBrief {
+                    pool: &r.pool,
+                    state: r.state,
+                    slots: r.request.as_ref().map_or(1, |q| q.slots.max(1)),
+                });
+            }
+        }
     }
 }
 
@@ -523,6 +716,13 @@ impl Filter {
             && (self.states.is_empty() || self.states.contains(&r.state))
             && self.pool.as_ref().is_none_or(|p| &r.pool == p)
             && self.visible_to.as_ref().is_none_or(|u| own(r, u))
+    }
+
+    fn matches_rec(&self, r: &Rec) -> bool {
+        self.owner.as_deref().is_none_or(|o| &*r.owner == o)
+            && (self.states.is_empty() || self.states.contains(&r.state))
+            && self.pool.as_deref().is_none_or(|p| &*r.pool == p)
+            && self.visible_to.as_deref().is_none_or(|u| r.is_owned_by(u))
     }
 }
 
@@ -694,6 +894,33 @@ mod tests {
         let (all, _) = t.query(&Filter::default(), None, 10);
         let ids: Vec<_> = all.iter().map(|r| r.id.as_str()).collect();
         assert_eq!(ids, ["q", "r"]);
+    }
+
+    #[test]
+    fn names_are_held_once_and_forgotten_with_the_last_job_that_used_them() {
+        let mut t = JobTable::new();
+        for (id, name) in [("a", "same"), ("b", "same"), ("c", "only-c")] {
+            let mut e = queued(id, "s", 1.0);
+            e.job_name = name.into();
+            apply(&mut t, &e);
+        }
+        let same = |t: &JobTable| t.names.set.get("same").map(Arc::strong_count);
+        // The interner's copy and one per job.
+        assert_eq!(same(&t), Some(3));
+        assert!(t.names.set.contains("only-c"));
+        for id in ["a", "c"] {
+            apply(&mut t, &ev(id, Some("s"), 2.0, JobState::Started));
+            apply(&mut t, &ev(id, Some("s"), 3.0, done(0)));
+        }
+        assert_eq!(t.expire(100.0, 10.0), 2);
+        assert!(
+            !t.names.set.contains("only-c"),
+            "a name no job uses is kept"
+        );
+        assert_eq!(same(&t), Some(2));
+        assert_eq!(t.get("b").unwrap().name, "same");
+        // The owner and pool of "b" stay.
+        assert!(t.names.set.contains("alice") && t.names.set.contains("p"));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use vq_common::jobs::{Filter, JobTable, State};
+use vq_common::jobs::{JobTable, State};
 
 /// One pool's jobs as the table knows them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -19,15 +19,14 @@ pub struct PoolSlots {
 
 /// [`PoolSlots`] of every pool with queued or running jobs in `table`.
 pub fn pool_slots(table: &JobTable) -> BTreeMap<String, PoolSlots> {
-    let filter = Filter {
-        states: vec![State::Queued, State::Running],
-        ..Filter::default()
-    };
     let mut out: BTreeMap<String, PoolSlots> = BTreeMap::new();
-    for r in table.query(&filter, None, usize::MAX).0 {
-        let slots = r.request.as_ref().map_or(1, |q| u64::from(q.slots.max(1)));
-        let p = out.entry(r.pool.clone()).or_default();
-        match r.state {
+    table.each(&[State::Queued, State::Running], |j| {
+        let slots = u64::from(j.slots);
+        let p = match out.get_mut(j.pool) {
+            Some(p) => p,
+            None => out.entry(j.pool.to_string()).or_default(),
+        };
+        match j.state {
             State::Queued => {
                 p.queued_jobs += 1;
                 p.queued_slots += slots;
@@ -35,7 +34,7 @@ pub fn pool_slots(table: &JobTable) -> BTreeMap<String, PoolSlots> {
             State::Running => p.running_slots += slots,
             _ => {}
         }
-    }
+    });
     out
 }
 
