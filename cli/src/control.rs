@@ -1,24 +1,40 @@
-//! `vq cancel` and `vq drain`: control messages to one agent (and, for
-//! `vq cancel`, a request to the controller first).
+//! `vq cancel`, `vq drain` and `vq resume`: control messages to one agent
+//! (and, for `vq cancel`, a request to the controller first), and the
+//! agent's answer.
 //!
 //! Control messages go to the control exchange with routing key = agent id,
 //! mandatory (an agent that is not connected has no control queue, so the
-//! message comes back unroutable), with a publisher confirm, and with the
-//! broker-validated `user_id` so that the agent can check who asked.
+//! message comes back unroutable), with a publisher confirm, with the
+//! broker-validated `user_id` so that the agent can check who asked, and
+//! with `reply_to` = the CLI's reply queue ([`crate::reply`]). The agent
+//! answers with a [`ControlAnswer`]; a command waits `--timeout` seconds
+//! ([`ANSWER_TIMEOUT`] by default) for it. Exit codes: 0 done (or nothing
+//! to do), 77 refused ([`EXIT_REFUSED`]), 1 a cancel of a job not running
+//! there, 69 no answer in time (an agent older than the answers, or one
+//! that is stuck), 64 no such agent.
 
 use std::time::Duration;
 
-use vq_common::amqp::{self, AmqpError};
+use vq_common::amqp;
 use vq_common::jobs::cancel::{CancelAnswer, CancelRequest};
-use vq_common::messages::{Control, Message, SCHEMA_VERSION};
+use vq_common::messages::{
+    AgentState, Control, ControlAnswer, ControlOutcome, ControlRequest, Message, MAX_REASON_BYTES,
+    SCHEMA_VERSION,
+};
 use vq_common::topology::Topology;
 
-use crate::error::{amqp_reply_code, CliError, NOT_FOUND};
+use crate::error::CliError;
+use crate::reply::{Replies, Sent};
 use vq_common::jobs::{JobRecord, State};
 
 use crate::events::{find_job, read_job_table};
-use crate::reply::{Replies, Sent};
 use crate::settings::Settings;
+
+pub use crate::error::EXIT_REFUSED;
+
+/// How long `vq cancel`, `vq drain` and `vq resume` wait for the agent's
+/// answer unless `--timeout` says otherwise.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Checks that `user` may cancel `job` and that it is running; returns the
 /// agent to send the cancel to.
@@ -47,50 +63,156 @@ pub fn cancel_target<'a>(
     Ok(&job.agent)
 }
 
-/// Publishes `msg` to `agent`'s control queue.
+/// Checks a `--reason`: at most [`MAX_REASON_BYTES`] bytes, no control
+/// characters; blank means none.
+///
+/// # Errors
+/// [`CliError::Usage`] naming the problem.
+pub fn check_reason(reason: Option<&str>) -> Result<Option<String>, CliError> {
+    let Some(r) = reason.map(str::trim).filter(|r| !r.is_empty()) else {
+        return Ok(None);
+    };
+    if r.len() > MAX_REASON_BYTES {
+        return Err(CliError::Usage(format!(
+            "--reason: {} bytes, longer than the limit of {MAX_REASON_BYTES}",
+            r.len()
+        )));
+    }
+    if r.chars().any(char::is_control) {
+        return Err(CliError::Usage(
+            "--reason: control characters (newlines, tabs, escapes) are not allowed".into(),
+        ));
+    }
+    Ok(Some(r.to_string()))
+}
+
+/// Checks a `--timeout` in seconds.
+///
+/// # Errors
+/// [`CliError::Usage`] unless it is a positive finite number (below 10⁹).
+pub fn check_timeout(secs: f64) -> Result<Duration, CliError> {
+    if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+        return Err(CliError::Usage(format!(
+            "--timeout: {secs} is not a positive number of seconds"
+        )));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Publishes `msg` to `agent`'s control queue with `correlation` as
+/// correlation id and waits up to `timeout` for the agent's answer.
 ///
 /// # Errors
 /// [`CliError::NoSuchAgent`] if the agent is not connected,
-/// [`CliError::NoSuchCluster`] if the control exchange does not exist,
+/// [`CliError::NoSuchCluster`] if the cluster's exchanges do not exist,
+/// [`CliError::NoAnswer`] if no answer came in time,
+/// [`CliError::Decode`] for an answer that is not a [`ControlAnswer`],
 /// [`CliError::Broker`] otherwise.
-pub async fn send_control(
+pub async fn request(
     conn: &lapin::Connection,
     settings: &Settings,
     agent: &str,
     msg: &Control,
-) -> Result<(), CliError> {
+    correlation: &str,
+    timeout: Duration,
+) -> Result<ControlAnswer, CliError> {
     let topo = Topology::new(&settings.cluster);
-    let ch = amqp::confirm_channel(conn)
-        .await
-        .map_err(CliError::broker("open a channel"))?;
-    let props =
-        amqp::json_properties::<Control>().with_user_id(settings.broker_user().as_str().into());
-    let exchange = topo.control_exchange();
-    let res = amqp::publish_confirmed(
-        &ch,
-        &exchange,
-        agent,
-        &msg.encode(),
-        props,
-        true,
-        Duration::from_secs(settings.broker.confirm_timeout_secs),
-    )
-    .await;
-    match res {
-        Ok(()) => Ok(()),
-        Err(AmqpError::Unroutable { .. }) => Err(CliError::NoSuchAgent {
-            agent: agent.to_string(),
-            cluster: settings.cluster.clone(),
-        }),
-        Err(e) if amqp_reply_code(&e) == Some(NOT_FOUND) => Err(CliError::NoSuchCluster {
-            cluster: settings.cluster.clone(),
-            exchange,
-        }),
-        Err(source) => Err(CliError::Broker {
-            action: format!("send a control message to agent {agent:?}"),
-            source: Box::new(source),
-        }),
+    let mut replies = Replies::open(conn, settings, "vq-control").await?;
+    let result = async {
+        let props =
+            amqp::json_properties::<Control>().with_user_id(settings.broker_user().as_str().into());
+        let sent = replies
+            .send_as(
+                &topo.control_exchange(),
+                agent,
+                &msg.encode(),
+                props,
+                Duration::from_secs(settings.broker.confirm_timeout_secs),
+                &format!("send a control message to agent {agent:?}"),
+                correlation,
+            )
+            .await?;
+        let Sent::Routed { correlation } = sent else {
+            return Err(CliError::NoSuchAgent {
+                agent: agent.to_string(),
+                cluster: settings.cluster.clone(),
+            });
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let Some(d) = replies.answer(&correlation, deadline).await? else {
+                return Err(CliError::NoAnswer {
+                    agent: agent.to_string(),
+                    secs: timeout.as_secs_f64(),
+                });
+            };
+            let answer = ControlAnswer::decode(&d.data).map_err(|source| CliError::Decode {
+                what: format!("the answer of agent {agent:?}"),
+                source,
+            })?;
+            // Only the agent asked answers for itself.
+            if answer.agent == agent {
+                return Ok(answer);
+            }
+            tracing::warn!(agent, from = %answer.agent, "ignoring an answer from another agent");
+        }
     }
+    .await;
+    replies.close().await;
+    result
+}
+
+/// What an answer means for the command: the line to print (exit 0), or
+/// the error.
+///
+/// # Errors
+/// [`CliError::Refused`] (exit [`EXIT_REFUSED`]) or
+/// [`CliError::NotHere`] (exit 1).
+pub fn judge(answer: &ControlAnswer) -> Result<String, CliError> {
+    let agent = &answer.agent;
+    let jobs = match answer.running.len() {
+        0 => "no job running".to_string(),
+        1 => "1 job running".to_string(),
+        n => format!("{n} jobs running"),
+    };
+    let job = answer.job_id.as_deref().unwrap_or("?");
+    let drained = answer.state == AgentState::Drained;
+    match (&answer.outcome, answer.request) {
+        (ControlOutcome::Refused { reason }, _) => Err(CliError::Refused {
+            reason: reason.clone(),
+        }),
+        (ControlOutcome::NotHere, _) => Err(CliError::NotHere {
+            job_id: job.to_string(),
+            agent: agent.clone(),
+        }),
+        (ControlOutcome::Done, ControlRequest::Drain) if drained => {
+            Ok(format!("agent {agent}: drained ({jobs})"))
+        }
+        (ControlOutcome::Done, ControlRequest::Drain) => {
+            Ok(format!("agent {agent}: draining ({jobs})"))
+        }
+        (ControlOutcome::Already, ControlRequest::Drain) if drained => {
+            Ok(format!("agent {agent}: already drained ({jobs})"))
+        }
+        (ControlOutcome::Already, ControlRequest::Drain) => {
+            Ok(format!("agent {agent}: already draining ({jobs})"))
+        }
+        (ControlOutcome::Done, ControlRequest::Resume) => {
+            Ok(format!("agent {agent}: pulling jobs again ({jobs})"))
+        }
+        (ControlOutcome::Already, ControlRequest::Resume) => Ok(format!(
+            "agent {agent}: not draining, pulling jobs already ({jobs})"
+        )),
+        (ControlOutcome::Done | ControlOutcome::Already, ControlRequest::Cancel) => Ok(format!(
+            "job {job}: cancelled on agent {agent} (SIGTERM now, SIGKILL after its grace period)"
+        )),
+    }
+}
+
+async fn connect(settings: &Settings, name: &str) -> Result<lapin::Connection, CliError> {
+    amqp::connect(&settings.broker, name)
+        .await
+        .map_err(CliError::broker("connect to the broker"))
 }
 
 /// What `vq cancel JOB_ID` does: asks the controller
@@ -120,7 +242,7 @@ pub async fn run_cancel(
                 Ok(0)
             }
             Some(CancelAnswer::Running { job_id, agent }) => {
-                cancel_running(&conn, settings, &job_id, &agent).await
+                cancel_running(&conn, settings, &job_id, &agent, timeout).await
             }
             Some(CancelAnswer::Ended { job_id, state }) => Err(CliError::NotRunning {
                 job_id,
@@ -135,7 +257,7 @@ pub async fn run_cancel(
                     timeout.as_secs_f64()
                 ),
             }),
-            None => cancel_from_stream(&conn, settings, job_id).await,
+            None => cancel_from_stream(&conn, settings, job_id, timeout).await,
         }
     }
     .await;
@@ -210,19 +332,22 @@ async fn ask_cancel(
 /// Pause between two cancel requests while the job is starting.
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
-/// Sends the cancel of running job `job_id` to `agent`.
+/// Sends the cancel of running job `job_id` to `agent` and prints its
+/// answer (within `timeout`).
 async fn cancel_running(
     conn: &lapin::Connection,
     settings: &Settings,
     job_id: &str,
     agent: &str,
+    timeout: Duration,
 ) -> Result<i32, CliError> {
     let msg = Control::Cancel {
         job_id: job_id.to_string(),
     };
-    send_control(conn, settings, agent, &msg).await?;
-    tracing::info!(job_id, agent, "cancel sent");
-    println!("cancel of job {job_id} sent to agent {agent}");
+    let correlation = uuid::Uuid::new_v4().to_string();
+    let answer = request(conn, settings, agent, &msg, &correlation, timeout).await?;
+    tracing::info!(job_id, agent, outcome = ?answer.outcome, "cancel answered");
+    println!("{}", judge(&answer)?);
     Ok(0)
 }
 
@@ -232,6 +357,7 @@ async fn cancel_from_stream(
     conn: &lapin::Connection,
     settings: &Settings,
     job_id: &str,
+    timeout: Duration,
 ) -> Result<i32, CliError> {
     let crate::term::InvokingUser {
         name: user,
@@ -252,33 +378,59 @@ async fn cancel_from_stream(
         });
     }
     let agent = cancel_target(&job, &user, is_root)?;
-    cancel_running(conn, settings, &job.id, agent).await
+    cancel_running(conn, settings, &job.id, agent, timeout).await
 }
 
-/// What `vq drain AGENT` does: the agent stops pulling, finishes its jobs and
-/// reports `drained`.
+/// Which of `vq drain` and `vq resume` ([`run_drain_or_resume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Toggle {
+    /// `vq drain`: the agent stops pulling, finishes its jobs and reports
+    /// `drained`.
+    Drain,
+    /// `vq resume`: a draining agent pulls again.
+    Resume,
+}
+
+/// What `vq drain AGENT` and `vq resume AGENT` do: send the request with
+/// the operator's `reason` and print the agent's answer.
 ///
 /// # Errors
 /// [`CliError`].
-pub async fn run_drain(settings: &Settings, agent: &str) -> Result<i32, CliError> {
+pub async fn run_drain_or_resume(
+    settings: &Settings,
+    which: Toggle,
+    agent: &str,
+    reason: Option<&str>,
+    timeout: Duration,
+) -> Result<i32, CliError> {
+    let reason = check_reason(reason)?;
     if !vq_common::topology::valid_name(agent) {
         return Err(CliError::NoSuchAgent {
             agent: agent.to_string(),
             cluster: settings.cluster.clone(),
         });
     }
-    let conn = amqp::connect(&settings.broker, "vq drain")
-        .await
-        .map_err(CliError::broker("connect to the broker"))?;
-    let request_id = uuid::Uuid::new_v4().to_string();
-    let msg = Control::Drain {
-        request_id: request_id.clone(),
+    let (name, word) = match which {
+        Toggle::Drain => ("vq drain", "drain"),
+        Toggle::Resume => ("vq resume", "resume"),
     };
-    let result = send_control(&conn, settings, agent, &msg).await;
+    let conn = connect(settings, name).await?;
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let msg = match which {
+        Toggle::Drain => Control::Drain {
+            request_id: request_id.clone(),
+            reason,
+        },
+        Toggle::Resume => Control::Resume {
+            request_id: request_id.clone(),
+            reason,
+        },
+    };
+    let result = request(&conn, settings, agent, &msg, &request_id, timeout).await;
     let _ = conn.close(200, "bye".into()).await;
-    result?;
-    tracing::info!(agent, request_id, "drain sent");
-    println!("drain request {request_id} sent to agent {agent}");
+    let answer = result?;
+    tracing::info!(agent, request_id, outcome = ?answer.outcome, "{word} answered");
+    println!("{}", judge(&answer)?);
     Ok(0)
 }
 
@@ -315,5 +467,69 @@ mod tests {
         ]);
         let err = cancel_target(&done.get("j").unwrap(), "alice", false).unwrap_err();
         assert!(err.to_string().contains("C completed"), "{err}");
+    }
+
+    fn answer(
+        request: ControlRequest,
+        outcome: ControlOutcome,
+        state: AgentState,
+    ) -> ControlAnswer {
+        ControlAnswer {
+            schema: 1,
+            request_id: "r".into(),
+            agent: "ag1".into(),
+            pool: "cms".into(),
+            request,
+            job_id: (request == ControlRequest::Cancel).then(|| "j1".to_string()),
+            outcome,
+            state,
+            running: vec!["j1".into(), "j2".into()],
+            at: 0.0,
+        }
+    }
+
+    #[test]
+    fn every_answer_reads_as_one_line_or_an_error_with_its_exit_code() {
+        use ControlOutcome::*;
+        use ControlRequest::*;
+        let refused = Refused {
+            reason: "broker user \"bob\" is not in control_admins of agent ag1".into(),
+        };
+        #[rustfmt::skip]
+        let table = [
+            (Drain,  Done,            AgentState::Draining, Ok("agent ag1: draining (2 jobs running)")),
+            (Drain,  Already,         AgentState::Draining, Ok("agent ag1: already draining (2 jobs running)")),
+            (Resume, Done,            AgentState::Busy,     Ok("agent ag1: pulling jobs again (2 jobs running)")),
+            (Resume, Already,         AgentState::Busy,     Ok("agent ag1: not draining, pulling jobs already (2 jobs running)")),
+            (Cancel, Done,            AgentState::Busy,     Ok("job j1: cancelled on agent ag1 (SIGTERM now, SIGKILL after its grace period)")),
+            (Drain,  refused.clone(), AgentState::Busy,     Err((EXIT_REFUSED, "refused: broker user \"bob\" is not in control_admins of agent ag1"))),
+            (Resume, refused,         AgentState::Busy,     Err((EXIT_REFUSED, "refused: broker user \"bob\" is not in control_admins of agent ag1"))),
+            (Cancel, NotHere,         AgentState::Busy,     Err((1, "job j1 is not running on agent ag1 (it may have ended just now; see vq stat)"))),
+        ];
+        for (request, outcome, state, want) in table {
+            let got = judge(&answer(request, outcome.clone(), state))
+                .map_err(|e| (e.exit_code(), e.to_string()));
+            let want = want
+                .map(str::to_string)
+                .map_err(|(c, m)| (c, m.to_string()));
+            assert_eq!(got, want, "{request:?} {outcome:?}");
+        }
+        let mut idle = answer(Drain, Done, AgentState::Drained);
+        idle.running.clear();
+        assert_eq!(judge(&idle).unwrap(), "agent ag1: drained (no job running)");
+    }
+
+    #[test]
+    fn a_reason_is_checked_before_anything_is_sent() {
+        assert_eq!(check_reason(Some("  ")).unwrap(), None);
+        assert_eq!(
+            check_reason(Some(" kernel update ")).unwrap().as_deref(),
+            Some("kernel update")
+        );
+        let long = "x".repeat(MAX_REASON_BYTES + 1);
+        assert_eq!(check_reason(Some(&long)).unwrap_err().exit_code(), 64);
+        assert!(check_reason(Some("a\nb")).is_err());
+        assert!(check_timeout(0.0).is_err() && check_timeout(f64::NAN).is_err());
+        assert_eq!(check_timeout(1.5).unwrap(), Duration::from_millis(1500));
     }
 }

@@ -9,6 +9,10 @@ pub const EXIT_USAGE: i32 = 64;
 /// Exit code when the broker or the controller cannot be reached
 /// (`EX_UNAVAILABLE`).
 pub const EXIT_UNAVAILABLE: i32 = 69;
+/// Exit code when an agent refused a control request (`EX_NOPERM`): the
+/// sender is not in its `control_admins`, does not own the job, or the
+/// agent already agreed to be deleted.
+pub const EXIT_REFUSED: i32 = 77;
 /// Exit code for any other failure.
 pub const EXIT_OTHER: i32 = 1;
 
@@ -145,6 +149,30 @@ pub enum CliError {
         /// answer in time); `false`: no queue was bound (unroutable).
         listening: bool,
     },
+    /// An agent refused a control request, saying why.
+    #[error("refused: {reason}")]
+    Refused {
+        /// The agent's reason.
+        reason: String,
+    },
+    /// A cancel reached the agent, but the job is not running there.
+    #[error(
+        "job {job_id} is not running on agent {agent} (it may have ended just now; see vq stat)"
+    )]
+    NotHere {
+        /// Job id.
+        job_id: String,
+        /// Agent id.
+        agent: String,
+    },
+    /// The agent took a control request but did not answer in time.
+    #[error("agent {agent} took the request but did not answer within {secs} s: it may run a vq-jobagent older than control answers (then the request is followed, unanswered; see vq pools), be stuck, or its broker account may lack write on the replies exchange")]
+    NoAnswer {
+        /// Agent id.
+        agent: String,
+        /// How long the command waited, seconds.
+        secs: f64,
+    },
     /// The controller refused a job-table query, saying why.
     #[error("the controller refused the query: {problem}")]
     QueryRefused {
@@ -216,8 +244,9 @@ pub enum SubmitError {
 }
 
 impl CliError {
-    /// Process exit code: 64 for bad usage or input, 69 when the broker or
-    /// controller is unavailable, 1 otherwise.
+    /// Process exit code: 64 for bad usage or input, 69 when the broker,
+    /// the controller or an agent's answer is unavailable, 77 when an agent
+    /// refused, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Config { .. }
@@ -236,7 +265,11 @@ impl CliError {
                 | AmqpError::CaFile { .. } => EXIT_UNAVAILABLE,
                 _ => EXIT_OTHER,
             },
-            CliError::Controller { .. } | CliError::NoController { .. } => EXIT_UNAVAILABLE,
+            CliError::Controller { .. }
+            | CliError::NoController { .. }
+            | CliError::NoAnswer { .. } => EXIT_UNAVAILABLE,
+            CliError::Refused { .. } => EXIT_REFUSED,
+            CliError::NotHere { .. } => EXIT_OTHER,
             CliError::QueryRefused { .. } => EXIT_OTHER,
             CliError::Environment { .. }
             | CliError::NotRunning { .. }

@@ -1,14 +1,16 @@
-//! `vq-cli`: the `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`, `drain`.
+//! `vq-cli`: the `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`,
+//! `drain`, `resume`.
 //!
 //! `vq submit` takes `qsub`'s options and `#PBS` directives, so Torque job
 //! scripts run unchanged. Exit codes: 0 success, 64 bad usage or input, 69
-//! broker or controller unavailable, 1 any other failure; `vq submit --wait`
-//! exits with the job's status.
+//! broker, controller or an agent's answer unavailable, 77 refused by an
+//! agent, 1 any other failure; `vq submit --wait` exits with the job's
+//! status.
 //!
 //! The binary (`src/main.rs`) only parses arguments and maps errors to
 //! exit codes; everything else is here so tests can call it: [`submit`]
 //! (building and publishing a job), [`events`] (reading and following job
-//! events), [`stat`], [`control`] (cancel, drain), [`pools`], [`settings`]
+//! events), [`stat`], [`control`] (cancel, drain, resume), [`pools`], [`settings`]
 //! (where to connect), [`term`] (the invoking user, terminal-safe text),
 //! [`usage`] (unknown options in words) and [`error`] (every error and its
 //! exit code).
@@ -79,21 +81,37 @@ pub enum Command {
     Submit(Box<SubmitArgs>),
     /// Show jobs (from the controller's job table), like qstat.
     Stat(StatArgs),
-    /// Cancel a queued or running job (its owner, its submitter or an operator), like qdel.
+    /// Cancel a queued or running job (its owner, its submitter or an operator), like qdel;
+    /// prints the controller's or the agent's answer.
     Cancel {
         /// Job id, or a unique prefix of it.
         job_id: String,
-        /// Seconds to wait for the controller's answer.
+        /// Seconds to wait for the controller's answer, and then for the agent's.
         #[arg(long, value_name = "SECS", default_value_t = 10.0)]
         timeout: f64,
     },
     /// Show pools: queued and running jobs, VMs and agents (from the controller).
     Pools,
-    /// Admin: ask an agent to stop taking jobs and finish the running ones.
-    Drain {
-        /// Agent id (the VM's server name).
-        agent: String,
-    },
+    /// Admin: ask an agent to stop taking jobs and finish the running ones
+    /// (like pbsnodes -o); prints the agent's answer.
+    Drain(ToggleArgs),
+    /// Admin: a draining agent takes jobs again (like pbsnodes -c); refused
+    /// once it agreed to be deleted.
+    Resume(ToggleArgs),
+}
+
+/// `vq drain` and `vq resume` options.
+#[derive(Debug, Clone, Args)]
+pub struct ToggleArgs {
+    /// Agent id (the VM's server name).
+    pub agent: String,
+    /// Why (at most 256 bytes, one line): logged by the agent and shown on
+    /// the controller's /status while the agent drains.
+    #[arg(long = "reason", value_name = "TEXT")]
+    pub reason: Option<String>,
+    /// Seconds to wait for the agent's answer.
+    #[arg(long = "timeout", value_name = "SECS", default_value_t = control::ANSWER_TIMEOUT.as_secs_f64())]
+    pub timeout: f64,
 }
 
 /// `vq submit` options; they override the script's `#PBS` directives.
@@ -256,15 +274,6 @@ pub fn resolve_settings(global: &GlobalArgs) -> Result<Settings, CliError> {
 /// [`CliError`]; its [`CliError::exit_code`] is the process exit code.
 pub async fn run(cli: Cli) -> Result<i32, CliError> {
     let settings = resolve_settings(&cli.global)?;
-    /// A `--timeout SECS` value, which must be a positive number.
-    fn timeout_secs(secs: f64) -> Result<std::time::Duration, CliError> {
-        if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
-            return Err(CliError::Usage(format!(
-                "--timeout: {secs} is not a positive number of seconds"
-            )));
-        }
-        Ok(std::time::Duration::from_secs_f64(secs))
-    }
     match cli.command {
         Command::Submit(args) => {
             let flags = args.directives().map_err(CliError::Option)?;
@@ -275,7 +284,7 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
                 Some(s) => stat::parse_states(s)?,
                 None => Vec::new(),
             };
-            let timeout = timeout_secs(args.timeout)?;
+            let timeout = control::check_timeout(args.timeout)?;
             let layout = if args.json {
                 stat::Layout::Json
             } else if args.full {
@@ -300,11 +309,21 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
             stat::run(&settings, opts).await
         }
         Command::Cancel { job_id, timeout } => {
-            control::run_cancel(&settings, &job_id, timeout_secs(timeout)?).await
+            control::run_cancel(&settings, &job_id, control::check_timeout(timeout)?).await
         }
         Command::Pools => pools::run(&settings).await,
-        Command::Drain { agent } => control::run_drain(&settings, &agent).await,
+        Command::Drain(a) => toggle(&settings, control::Toggle::Drain, a).await,
+        Command::Resume(a) => toggle(&settings, control::Toggle::Resume, a).await,
     }
+}
+
+async fn toggle(
+    settings: &Settings,
+    which: control::Toggle,
+    a: ToggleArgs,
+) -> Result<i32, CliError> {
+    let timeout = control::check_timeout(a.timeout)?;
+    control::run_drain_or_resume(settings, which, &a.agent, a.reason.as_deref(), timeout).await
 }
 
 #[cfg(test)]

@@ -140,6 +140,27 @@ impl Replies {
         action: &str,
     ) -> Result<Sent, CliError> {
         let correlation = uuid::Uuid::new_v4().to_string();
+        self.send_as(exchange, key, body, props, timeout, action, &correlation)
+            .await
+    }
+
+    /// [`Replies::send`] with the caller's `correlation` id (a request
+    /// whose body names its id, e.g. a drain's `request_id`).
+    ///
+    /// # Errors
+    /// As [`Replies::send`].
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_as(
+        &self,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+        timeout: Duration,
+        action: &str,
+        correlation: &str,
+    ) -> Result<Sent, CliError> {
+        let correlation = correlation.to_string();
         let props = props
             .with_reply_to(self.queue.clone())
             .with_correlation_id(correlation.as_str().into());

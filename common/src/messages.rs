@@ -646,6 +646,10 @@ pub struct Heartbeat {
     /// Agent software version.
     #[serde(default)]
     pub version: String,
+    /// The `--reason` of the drain the agent follows, while it is not
+    /// pulling because of one (absent otherwise, and from older agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_reason: Option<String>,
 }
 
 /// Demand for a pool, published by bridges on the demand exchange
@@ -667,8 +671,18 @@ pub struct Demand {
     pub source: String,
 }
 
+/// Longest accepted `--reason` of a drain or resume, in bytes (the agent
+/// cuts longer ones at a character boundary).
+pub const MAX_REASON_BYTES: usize = 256;
+
 /// A control message to one agent, published on the control exchange with
 /// routing key = agent id.
+///
+/// A sender that wants an answer sets the AMQP `reply_to` (its exclusive
+/// `amq.gen-…` reply queue, bound on `<c>.replies`) and `correlation_id`;
+/// the agent then answers drain, resume and cancel with a
+/// [`ControlAnswer`] (ask-delete keeps its [`DeleteAnswer`]). Without
+/// `reply_to` (older senders, the controller's drains) nothing is answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "kebab-case")]
 pub enum Control {
@@ -680,14 +694,94 @@ pub enum Control {
     },
     /// Stop pulling, finish running jobs, then report `drained`.
     Drain {
-        /// Correlation id (informative).
+        /// Correlation id (the `correlation_id` of the request, when the
+        /// sender asked for an answer).
         request_id: String,
+        /// Why (operator text, at most [`MAX_REASON_BYTES`]): logged by the
+        /// agent and carried in its heartbeats
+        /// ([`Heartbeat::drain_reason`]) while it drains.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// Undo a drain: a draining agent that has not yet agreed to be
+    /// deleted (not `is_del`) pulls jobs again. Refused after it agreed to
+    /// be deleted or while it shuts down.
+    Resume {
+        /// Correlation id, as for [`Control::Drain`].
+        request_id: String,
+        /// Why (operator text, at most [`MAX_REASON_BYTES`]): logged.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
     },
     /// Cancel a running job (SIGTERM, then SIGKILL after the grace period).
     Cancel {
         /// Job id.
         job_id: String,
     },
+}
+
+/// What a [`ControlAnswer`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum ControlRequest {
+    /// [`Control::Drain`].
+    Drain,
+    /// [`Control::Resume`].
+    Resume,
+    /// [`Control::Cancel`].
+    Cancel,
+}
+
+/// What the agent did with a control request ([`ControlAnswer::outcome`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum ControlOutcome {
+    /// Done now: the drain started, the agent pulls again, the job was
+    /// told to stop.
+    Done,
+    /// Nothing to do: already draining (or drained), or not draining (a
+    /// resume of a pulling agent).
+    Already,
+    /// Not done, for `reason` (e.g. the sender is not in
+    /// `control_admins`, does not own the job, or the agent already agreed
+    /// to be deleted).
+    Refused {
+        /// Why, for the operator.
+        reason: String,
+    },
+    /// A cancel of a job that is not running on this agent.
+    NotHere,
+}
+
+/// An agent's answer to a [`Control`] request that had a `reply_to`:
+/// published on `<c>.replies` with routing key = the request's `reply_to`
+/// and the same `correlation_id`, with a publisher confirm.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ControlAnswer {
+    /// Schema version ([`SCHEMA_VERSION`]).
+    #[serde(default = "schema_version")]
+    pub schema: u32,
+    /// The request's correlation id (`request_id` of a drain or resume;
+    /// the AMQP `correlation_id` of a cancel).
+    pub request_id: String,
+    /// Agent id.
+    pub agent: String,
+    /// Pool the agent serves.
+    pub pool: String,
+    /// What was asked.
+    pub request: ControlRequest,
+    /// The job of a cancel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    /// What the agent did.
+    pub outcome: ControlOutcome,
+    /// The agent's state after the request.
+    pub state: AgentState,
+    /// Jobs claimed on the agent after the request.
+    #[serde(default)]
+    pub running: Vec<String>,
+    /// When answered, Unix seconds (sender's wall clock).
+    pub at: f64,
 }
 
 /// Answer to [`Control::AskDelete`], published on the events exchange with
@@ -819,6 +913,7 @@ message!(JobEvent, "job-event");
 message!(Heartbeat, "heartbeat");
 message!(Demand, "demand");
 message!(DeleteAnswer, "delete-answer");
+message!(ControlAnswer, "control-answer");
 
 impl Message for Control {
     const KIND: &'static str = "control";
@@ -844,6 +939,7 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         one::<Demand>("demand.schema.json"),
         one::<Control>("control.schema.json"),
         one::<DeleteAnswer>("delete-answer.schema.json"),
+        one::<ControlAnswer>("control-answer.schema.json"),
         one::<crate::jobs::JobQuery>("job-query.schema.json"),
         one::<crate::jobs::JobPage>("job-page.schema.json"),
         one::<crate::jobs::cancel::CancelRequest>("cancel-request.schema.json"),

@@ -16,10 +16,10 @@
 //! | `<c>.submitted` | topic exchange, bound into `<c>.events` for `job.*.queued` | submitters' `queued` events |
 //! | `<c>.events.log` | stream | retained job events for `vq stat` |
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
-//! | `<c>.control` | direct exchange, routing key = agent id | drain, ask-delete, cancel |
+//! | `<c>.control` | direct exchange, routing key = agent id | drain, resume, ask-delete, cancel |
 //! | `<c>.control.<agent>` | exclusive queue | the agent's control inbox |
 //! | `<c>.control` key `<c>.query.jobs` → exclusive server-named queue of the controller | job-table queries of `vq stat` |
-//! | `<c>.replies` | direct exchange, routing key = the requester's `amq.gen-…` reply queue | the controller's answers to queries |
+//! | `<c>.replies` | direct exchange, routing key = the requester's `amq.gen-…` reply queue | the controller's answers to queries, the agents' answers to drain, resume and cancel |
 //! | `<c>.lease` | direct exchange, routing key = lease queue name | lease copies |
 //! | `<c>.lease.<agent>` | durable quorum queue | copies of the jobs the agent runs (leases) |
 //! | `<c>.fence` | direct exchange → quorum queue `<c>.fence` (routing key = queue name) | agents the controller is fencing (deleting, then emptying their leases) |
@@ -499,7 +499,7 @@ impl Permissions {
                 format!(
                     r"^{c}\.(jobs|dead|events|demand|control|lease|agents|(jobs|lease|control)\.[^.]+|claim\..+)$"
                 ),
-                format!(r"^{c}\.(events|dead|lease|agents|(jobs|lease|control)\.[^.]+)$"),
+                format!(r"^{c}\.(events|dead|lease|agents|replies|(jobs|lease|control)\.[^.]+)$"),
                 format!(
                     r"^{c}\.(jobs|dead|lease|control|agents|(jobs|lease|control)\.[^.]+|claim\..+)$"
                 ),
@@ -552,7 +552,7 @@ mod tests {
         let p = Permissions::for_role(Role::Agent, "farm1");
         assert_eq!(
             p.write,
-            r"^farm1\.(events|dead|lease|agents|(jobs|lease|control)\.[^.]+)$"
+            r"^farm1\.(events|dead|lease|agents|replies|(jobs|lease|control)\.[^.]+)$"
         );
         let any = Permissions::for_role_matching(Role::Inspector, "t[0-9a-f]{10}");
         assert_eq!(any.read, r"^(?:t[0-9a-f]{10})\.jobs\.dead$");

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use vq_common::jobs::cancel::{CancelAnswer, CancelRequest};
 use vq_common::jobs::State;
 use vq_common::messages::{
-    json_schemas, Control, DecodeError, DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState,
-    Message,
+    json_schemas, Control, ControlAnswer, ControlOutcome, ControlRequest, DecodeError,
+    DeleteAnswer, Demand, Heartbeat, Job, JobEvent, JobState, Message,
 };
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -66,6 +66,28 @@ fn every_fixture_survives_a_round_trip() {
     round_trip::<Control>("control-ask-delete.json");
     round_trip::<Control>("control-cancel.json");
     round_trip::<DeleteAnswer>("delete-answer.json");
+    let drain: Control = round_trip("control-drain-reason.json");
+    assert!(
+        matches!(&drain, Control::Drain { reason: Some(r), .. } if r.starts_with("kernel")),
+        "{drain:?}"
+    );
+    round_trip::<Control>("control-resume.json");
+    let answer: ControlAnswer = round_trip("control-answer-drain.json");
+    assert_eq!(
+        (answer.request, &answer.outcome, answer.running.len()),
+        (ControlRequest::Drain, &ControlOutcome::Done, 2)
+    );
+    let refused: ControlAnswer = round_trip("control-answer-refused.json");
+    assert!(matches!(refused.outcome, ControlOutcome::Refused { .. }));
+    assert_eq!(
+        refused.job_id.as_deref(),
+        Some("3f2a9c1e-5b7d-4e1a-9c0b-2d6f8e4a1b3c")
+    );
+    let hb: Heartbeat = round_trip("heartbeat-draining.json");
+    assert_eq!(
+        hb.drain_reason.as_deref(),
+        Some("kernel update, ticket 4711")
+    );
     let q: vq_common::jobs::JobQuery = round_trip("job-query.json");
     assert_eq!(q.states, [State::Queued, State::Running]);
     let page: vq_common::jobs::JobPage = round_trip("job-page.json");
@@ -86,6 +108,26 @@ fn every_fixture_survives_a_round_trip() {
         round_trip::<CancelAnswer>("cancel-answer-refused.json"),
         CancelAnswer::Refused { retry: false, .. }
     ));
+}
+
+#[test]
+fn a_drain_from_an_older_cli_has_no_reason_and_an_older_heartbeat_no_drain_reason() {
+    let old = br#"{"type":"drain","request_id":"r1"}"#;
+    assert_eq!(
+        Control::decode(old).unwrap(),
+        Control::Drain {
+            request_id: "r1".into(),
+            reason: None
+        }
+    );
+    let hb = Heartbeat::decode(&fixture("heartbeat.json")).unwrap();
+    assert_eq!(hb.drain_reason, None);
+    // And a reason-less drain encodes as older agents know it.
+    let again = Control::Drain {
+        request_id: "r1".into(),
+        reason: None,
+    };
+    assert_eq!(again.encode(), old.to_vec());
 }
 
 #[test]

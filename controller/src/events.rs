@@ -129,6 +129,13 @@ pub fn record_event(shared: &mut Shared, routing_key: &str, body: &[u8], at: Ins
         "heartbeat" | "drained" => match Heartbeat::decode(body) {
             Ok(hb) => {
                 let rec = shared.agents.entry(hb.agent.clone()).or_default();
+                let before = rec
+                    .heartbeat
+                    .as_ref()
+                    .and_then(|(h, _)| h.drain_reason.as_deref());
+                if let Some(reason) = hb.drain_reason.as_deref().filter(|r| Some(*r) != before) {
+                    tracing::info!(pool = %hb.pool, agent = %hb.agent, state = ?hb.state, reason, "agent drains, by an operator's request");
+                }
                 rec.heartbeat = Some((hb, at));
             }
             Err(e) => tracing::warn!(routing_key, error = %e, "ignoring a malformed heartbeat"),

@@ -89,6 +89,9 @@ pub struct AgentSeen {
     pub idle_secs: f64,
     /// Latest answer to an ask-delete, if any.
     pub answer: Option<AnswerSeen>,
+    /// The operator's `--reason` of the drain the agent follows, per the
+    /// last heartbeat ([`vq_common::messages::Heartbeat::drain_reason`]).
+    pub drain_reason: Option<String>,
 }
 
 /// One server of the pool.
@@ -240,6 +243,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
                     is_del: hb.is_del,
                     idle_secs: hb.idle_secs,
                     answer,
+                    drain_reason: hb.drain_reason.clone(),
                 })
             });
             if let Some(a) = &agent {
@@ -730,6 +734,7 @@ mod tests {
             interval_secs: 10.0,
             at: 0.0,
             version: String::new(),
+            drain_reason: None,
         }
     }
 

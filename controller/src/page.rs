@@ -330,7 +330,10 @@ fn pool(h: &mut String, name: &str, p: &PoolStatus, blocked: Option<&str>, now: 
                 escape(&s.id),
                 escape(&s.name),
                 escape(&s.status),
-                escape(&s.agent_state),
+                match &s.drain_reason {
+                    Some(r) => format!("{} ({})", escape(&s.agent_state), escape(r)),
+                    None => escape(&s.agent_state),
+                },
                 s.running,
                 opt_secs(s.age_secs),
                 s.heartbeat_age_secs
@@ -444,6 +447,7 @@ mod tests {
                     slots_mismatch: false,
                     age_secs: Some(192),
                     heartbeat_age_secs: Some(4),
+                    drain_reason: Some("kernel <update>".into()),
                 }],
                 last_decisions: vec![Decision {
                     at: 990,
@@ -499,8 +503,8 @@ mod tests {
         assert!(page.contains(">booting 2</p>"), "state in words: {page}");
         assert!(
             page.contains(
-                "<td title=\"0b1e\">vq-cms-1a2b3c4d</td><td>ACTIVE</td><td>busy</td>\
-                 <td>2</td><td>3m 12s</td><td>4s ago</td>"
+                "<td title=\"0b1e\">vq-cms-1a2b3c4d</td><td>ACTIVE</td>\
+                 <td>busy (kernel &lt;update&gt;)</td><td>2</td><td>3m 12s</td><td>4s ago</td>"
             ),
             "{page}"
         );

@@ -235,6 +235,11 @@ pub struct ServerStatus {
     /// heartbeat, as of `observed_at` (`null`: none received).
     #[serde(default)]
     pub heartbeat_age_secs: Option<u64>,
+    /// The operator's `--reason` of the drain the agent follows (`vq drain
+    /// --reason`), per its last heartbeat; absent when it is not draining
+    /// for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_reason: Option<String>,
 }
 
 /// One decision of the planner.
@@ -335,6 +340,7 @@ pub fn publish(
                 .agent
                 .as_ref()
                 .map(|a| a.heartbeat_age_secs.max(0.0) as u64),
+            drain_reason: s.agent.as_ref().and_then(|a| a.drain_reason.clone()),
         });
     }
     let now = unix_now();
@@ -805,6 +811,7 @@ mod tests {
             is_del: false,
             idle_secs: 0.0,
             answer: None,
+            drain_reason: None,
         };
         let server = |name: &str, slots| ObservedServer {
             id: format!("id-{name}"),

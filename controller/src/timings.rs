@@ -135,6 +135,7 @@ mod tests {
             is_del: false,
             idle_secs: 0.0,
             answer,
+            drain_reason: None,
         }
     }
 

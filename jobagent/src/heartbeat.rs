@@ -30,6 +30,7 @@ pub fn heartbeat(ctx: &Ctx) -> Heartbeat {
         interval_secs: ctx.cfg.heartbeat_secs,
         at: unix_now(),
         version: env!("CARGO_PKG_VERSION").into(),
+        drain_reason: s.drain_reason,
     }
 }
 
@@ -73,12 +74,17 @@ pub(crate) async fn heartbeat_loop(ctx: Arc<Ctx>, stop: CancellationToken) {
     }
 }
 
-/// After a drain request: waits for running jobs to end, marks the agent
-/// deletable and publishes `agent.<pool>.drained` (a heartbeat body with
-/// state `drained`).
-pub(crate) async fn report_drained(ctx: Arc<Ctx>) {
+/// After the first drain request (of generation `epoch`): waits for
+/// running jobs to end, marks the agent deletable and publishes
+/// `agent.<pool>.drained` (a heartbeat body with state `drained`); does
+/// nothing if the drain was resumed meanwhile
+/// ([`crate::state::Shared::finish_drain`]).
+pub(crate) async fn report_drained(ctx: Arc<Ctx>, epoch: u64) {
     ctx.shared.wait_idle().await;
-    ctx.shared.mark_deleted();
+    if !ctx.shared.finish_drain(epoch) {
+        debug!(pool = %ctx.cfg.pool, "drain resumed before it finished: no drained report");
+        return;
+    }
     info!(pool = %ctx.cfg.pool, "drained: no job left, not pulling");
     let hb = heartbeat(&ctx);
     ctx.publisher

@@ -165,7 +165,7 @@ pub async fn run(
     let mut ended = Ended::Drained;
     if !shutdown.force.is_cancelled() {
         info!(pool = %ctx.cfg.pool, grace_secs = drain_grace.as_secs(), "first signal: draining (stop pulling, let jobs finish)");
-        ctx.shared.start_drain();
+        ctx.shared.start_shutdown();
         tokio::select! {
             _ = ctx.shared.wait_idle() => {}
             _ = tokio::time::sleep(drain_grace) => {

@@ -40,13 +40,16 @@ use vq_common::amqp::{
     declare_pool_queue, envelope, subscribe, AmqpError,
 };
 use vq_common::backoff::Backoff;
-use vq_common::messages::{unix_now, Control, DeleteAnswer, Job, Message, SCHEMA_VERSION};
+use vq_common::messages::{
+    unix_now, Control, ControlAnswer, ControlOutcome, ControlRequest, DeleteAnswer, Job, Message,
+    SCHEMA_VERSION,
+};
 use vq_common::topology::agent_event_key;
 
 use crate::ctx::Ctx;
 use crate::error::{chain, AgentError};
 use crate::job::{drop_duplicate, handle_delivery, scan_leases, NewClaim};
-use crate::state::{CancelOutcome, Claim};
+use crate::state::{CancelOutcome, Claim, Reply};
 
 /// Bound on broker operations in this module.
 const OP_TIMEOUT: Duration = Duration::from_secs(15);
@@ -145,10 +148,11 @@ async fn session(
     };
     let (conn, pub_conn) = conns;
     let conn = Arc::new(conn);
+    let pub_conn = Arc::new(pub_conn);
     let result = run_session(ctx, &conn, &pub_conn, links, stop, proven).await;
     links.disconnected();
     // A blocked publishing connection does not read our close: bounded.
-    for c in [&conn, &pub_conn] {
+    for c in [&*conn, &*pub_conn] {
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
             c.close(200, "jobagent stopping".into()),
@@ -161,7 +165,7 @@ async fn session(
 async fn run_session(
     ctx: &Arc<Ctx>,
     conn: &Arc<Connection>,
-    pub_conn: &Connection,
+    pub_conn: &Arc<Connection>,
     links: &Links,
     stop: &CancellationToken,
     proven: &mut bool,
@@ -363,8 +367,8 @@ async fn run_session(
             },
             c = control.next() => match c {
                 Some(Ok(msg)) => {
-                    let sender = msg.properties.user_id().as_ref().map(|u| u.as_str().to_string());
-                    on_control(ctx, &jobs_ch, &mut consumer, &msg.data, sender.as_deref()).await?
+                    let from = Requester::of(&msg.properties);
+                    on_control(ctx, &jobs_ch, &mut consumer, &msg.data, &from, pub_conn).await?
                 }
                 Some(Err(e)) => return Err(AmqpError::op("consume control queue")(e).into()),
                 None => return Err(AgentError::Lost { what: "control queue consumer" }),
@@ -672,12 +676,48 @@ async fn dispatch(
     }
 }
 
+/// Who sent a control message, and where it wants its answer.
+struct Requester {
+    /// The broker-validated `user_id`.
+    user: Option<String>,
+    /// `reply_to` (a reply queue bound on `<c>.replies`), if an answer is
+    /// wanted.
+    reply_to: Option<String>,
+    /// `correlation_id`, echoed in the answer.
+    correlation: Option<String>,
+}
+
+impl Requester {
+    fn of(p: &lapin::BasicProperties) -> Requester {
+        let s = |v: &Option<lapin::types::ShortString>| v.as_ref().map(|v| v.as_str().to_string());
+        Requester {
+            user: s(p.user_id()),
+            reply_to: s(p.reply_to()),
+            correlation: s(p.correlation_id()),
+        }
+    }
+}
+
+/// `reason` cut to [`vq_common::messages::MAX_REASON_BYTES`] at a
+/// character boundary, without control characters (it goes into logs and
+/// heartbeats); `None` for an empty one.
+fn clean_reason(reason: Option<String>) -> Option<String> {
+    let r: String = reason?.chars().filter(|c| !c.is_control()).collect();
+    let r = r.trim();
+    let mut end = r.len().min(vq_common::messages::MAX_REASON_BYTES);
+    while !r.is_char_boundary(end) {
+        end -= 1;
+    }
+    (!r.is_empty()).then(|| r[..end].to_string())
+}
+
 async fn on_control(
     ctx: &Arc<Ctx>,
     jobs_ch: &Channel,
     consumer: &mut Option<Consumer>,
     body: &[u8],
-    sender: Option<&str>,
+    from: &Requester,
+    pub_conn: &Arc<Connection>,
 ) -> Result<(), AgentError> {
     let msg = match Control::decode(body) {
         Ok(m) => m,
@@ -690,13 +730,32 @@ async fn on_control(
     // Control messages are authorised by the broker-validated user_id:
     // admins (the controller, operators) may do anything; others may only
     // cancel their own jobs.
-    let Some(sender) = sender else {
+    let Some(sender) = from.user.as_deref() else {
         warn!(pool = %pool, "ignoring a control message without user_id");
         return Ok(());
     };
     let admin = ctx.cfg.control_admins.iter().any(|a| a == sender);
+    let answer = |request, job_id: Option<String>, outcome| {
+        answer_control(ctx, from, pub_conn, request, job_id, outcome)
+    };
     if !admin && !matches!(msg, Control::Cancel { .. }) {
-        warn!(pool = %pool, sender, "ignoring a drain/ask-delete from a broker user not in control_admins");
+        warn!(pool = %pool, sender, "refusing a control message from a broker user not in control_admins");
+        let request = match msg {
+            Control::Drain { .. } => ControlRequest::Drain,
+            Control::Resume { .. } => ControlRequest::Resume,
+            // Ask-delete has its own answer, for the controller only.
+            Control::AskDelete { .. } | Control::Cancel { .. } => return Ok(()),
+        };
+        answer(
+            request,
+            None,
+            ControlOutcome::Refused {
+                reason: format!(
+                    "broker user {sender:?} is not in control_admins of agent {}",
+                    ctx.agent
+                ),
+            },
+        );
         return Ok(());
     }
     match msg {
@@ -732,28 +791,128 @@ async fn on_control(
                     .await;
             });
         }
-        Control::Drain { request_id } => {
-            info!(pool = %pool, request_id = %request_id, "drain requested");
-            if ctx.shared.start_drain() {
-                if let Some(c) = consumer.take() {
-                    stop_consumer(ctx, jobs_ch, c).await?;
+        Control::Drain { request_id, reason } => {
+            let reason = clean_reason(reason);
+            info!(pool = %pool, request_id = %request_id, sender, reason = reason.as_deref().unwrap_or(""), "drain requested");
+            let outcome = match ctx.shared.start_drain(reason) {
+                Some(epoch) => {
+                    if let Some(c) = consumer.take() {
+                        stop_consumer(ctx, jobs_ch, c).await?;
+                    }
+                    tokio::spawn(crate::heartbeat::report_drained(ctx.clone(), epoch));
+                    ControlOutcome::Done
                 }
-                tokio::spawn(crate::heartbeat::report_drained(ctx.clone()));
-            }
+                None => ControlOutcome::Already,
+            };
+            answer(ControlRequest::Drain, None, outcome);
         }
-        Control::Cancel { job_id } => match ctx.shared.cancel_by(&job_id, sender, admin) {
-            CancelOutcome::Cancelled => {
-                info!(pool = %pool, job_id = %job_id, sender, "cancel requested: stopping the job")
-            }
-            CancelOutcome::Denied => {
-                warn!(pool = %pool, job_id = %job_id, sender, "cancel refused: the sender neither owns nor submitted the job")
-            }
-            CancelOutcome::NotHere => {
-                warn!(pool = %pool, job_id = %job_id, sender, "cancel requested for a job not running here")
-            }
-        },
+        Control::Resume { request_id, reason } => {
+            let reason = clean_reason(reason);
+            let outcome = match ctx.shared.resume() {
+                Reply::Resume => {
+                    info!(pool = %pool, request_id = %request_id, sender, reason = reason.as_deref().unwrap_or(""), "drain resumed: pulling again");
+                    ControlOutcome::Done
+                }
+                Reply::RefuseResume(why) => {
+                    warn!(pool = %pool, request_id = %request_id, sender, reason = reason.as_deref().unwrap_or(""), refused = %why, "resume refused");
+                    ControlOutcome::Refused {
+                        reason: why.to_string(),
+                    }
+                }
+                _ => {
+                    info!(pool = %pool, request_id = %request_id, sender, "resume requested, but not draining");
+                    ControlOutcome::Already
+                }
+            };
+            answer(ControlRequest::Resume, None, outcome);
+        }
+        Control::Cancel { job_id } => {
+            let outcome = match ctx.shared.cancel_by(&job_id, sender, admin) {
+                CancelOutcome::Cancelled => {
+                    info!(pool = %pool, job_id = %job_id, sender, "cancel requested: stopping the job");
+                    ControlOutcome::Done
+                }
+                CancelOutcome::Denied => {
+                    warn!(pool = %pool, job_id = %job_id, sender, "cancel refused: the sender neither owns nor submitted the job");
+                    ControlOutcome::Refused {
+                        reason: format!(
+                            "broker user {sender:?} neither owns nor submitted job {job_id} and is not in control_admins of agent {}",
+                            ctx.agent
+                        ),
+                    }
+                }
+                CancelOutcome::NotHere => {
+                    warn!(pool = %pool, job_id = %job_id, sender, "cancel requested for a job not running here");
+                    ControlOutcome::NotHere
+                }
+            };
+            answer(ControlRequest::Cancel, Some(job_id), outcome);
+        }
     }
     Ok(())
+}
+
+/// Answers a control request that has a `reply_to` with a
+/// [`ControlAnswer`] on `<c>.replies` (routing key = `reply_to`, same
+/// `correlation_id`), confirmed, from a task of its own on a channel of
+/// its own on the publishing connection: a refusal (an account without
+/// write on `<c>.replies`) closes only that channel, and an alarm delays
+/// only the answer. A request without `reply_to` (an older CLI, the
+/// controller) gets no answer.
+fn answer_control(
+    ctx: &Arc<Ctx>,
+    from: &Requester,
+    pub_conn: &Arc<Connection>,
+    request: ControlRequest,
+    job_id: Option<String>,
+    outcome: ControlOutcome,
+) {
+    let Some(reply_to) = from.reply_to.clone() else {
+        return;
+    };
+    let (state, running) = ctx.shared.state_now();
+    let answer = ControlAnswer {
+        schema: SCHEMA_VERSION,
+        request_id: from.correlation.clone().unwrap_or_default(),
+        agent: ctx.agent.clone(),
+        pool: ctx.cfg.pool.clone(),
+        request,
+        job_id,
+        outcome,
+        state,
+        running,
+        at: unix_now(),
+    };
+    let (ctx, conn) = (ctx.clone(), pub_conn.clone());
+    tokio::spawn(async move {
+        let exchange = ctx.topo.replies_exchange();
+        let mut props = vq_common::amqp::json_properties::<ControlAnswer>();
+        if !answer.request_id.is_empty() {
+            props = props.with_correlation_id(answer.request_id.as_str().into());
+        }
+        let sent = async {
+            let ch = confirm_channel(&conn).await?;
+            let r = vq_common::amqp::publish_confirmed(
+                &ch,
+                &exchange,
+                &reply_to,
+                &answer.encode(),
+                props,
+                false,
+                OP_TIMEOUT,
+            )
+            .await;
+            let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "answered".into())).await;
+            r
+        }
+        .await;
+        match sent {
+            Ok(()) => debug!(request = ?answer.request, reply_to, "control request answered"),
+            Err(e) => {
+                warn!(pool = %ctx.cfg.pool, request = ?answer.request, error = %chain(&e), "cannot answer a control request (the agent account needs write on {exchange})")
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -74,15 +74,20 @@ pub enum CancelOutcome {
 /// ```text
 ///            AskDelete (idle)          Deletable
 ///  Pulling ────────────────▶ Leaving ───────────▶ Agreed
-///     │                         │                    │
-///     │ Drain                   │ Drain              │ Drain
-///     ▼                         ▼                    ▼
+///   │  ▲                        │                    │
+///   │  │ Resume                 │ Drain              │ Drain, Shutdown
+///   ▼  │                        ▼                    ▼
 ///  Draining ───────────── Deletable ──────────▶ Drained
+///     │ Shutdown                                     ▲
+///     ▼                                              │
+///  Stopping ──────────────── Deletable ──────────────┘
 /// ```
 ///
-/// An ask-delete while a job is claimed changes nothing, in every mode.
-/// Only [`Mode::Pulling`] takes jobs; nothing leads back to it (a VM that
-/// agreed to go, or was told to drain, is deleted or restarted).
+/// (`Shutdown` leads to `Stopping` from `Pulling` and `Leaving` too.) An
+/// ask-delete while a job is claimed changes nothing, in every mode. Only
+/// [`Mode::Pulling`] takes jobs; the one way back to it is a resume of a
+/// drain (control `resume`), refused once the agent agreed to be deleted
+/// (`Leaving`, `Agreed`, `Drained`) or while it shuts down (`Stopping`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Takes jobs from the pool queue (the start).
@@ -92,9 +97,12 @@ pub enum Mode {
     Leaving,
     /// Agreed to be deleted: not pulling, no consumer (`is_del`).
     Agreed,
-    /// Told to drain (control `drain` or the first shutdown signal): not
-    /// pulling, claimed jobs run to their end.
+    /// Told to drain (control `drain`): not pulling, claimed jobs run to
+    /// their end; a resume makes it pull again.
     Draining,
+    /// Shutting down after the first signal: like [`Mode::Draining`], but
+    /// not resumable.
+    Stopping,
     /// Drained, or agreed and then told to drain: not pulling, deletable
     /// (`is_del`).
     Drained,
@@ -105,13 +113,36 @@ pub enum Mode {
 pub enum Event {
     /// The controller asks "may I delete you?" (control `ask-delete`).
     AskDelete,
-    /// Drain: a control `drain` or the first shutdown signal.
+    /// A control `drain`.
     Drain,
+    /// The first shutdown signal: drain, for good.
+    Shutdown,
+    /// A control `resume`: undo a drain.
+    Resume,
     /// The pool consumer is gone (`basic.cancel-ok` seen, unclaimed
     /// deliveries requeued) and the agent may be deleted: after a yes to
     /// an ask-delete, once a drain found no job left, or when a graceful
     /// shutdown has reported every job.
     Deletable,
+}
+
+/// Why a resume is refused ([`Reply::RefuseResume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoResume {
+    /// The agent agreed to be deleted (an ask-delete said yes, or a drain
+    /// finished): the controller may be deleting its VM.
+    Agreed,
+    /// The agent is shutting down (first signal).
+    ShuttingDown,
+}
+
+impl std::fmt::Display for NoResume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NoResume::Agreed => "already agreed to be deleted",
+            NoResume::ShuttingDown => "the agent is shutting down",
+        })
+    }
 }
 
 /// What the caller of [`Mode::step`] must do.
@@ -124,9 +155,14 @@ pub enum Reply {
     /// Stop the pool consumer, then step [`Event::Deletable`], then answer
     /// the ask-delete with yes.
     StopThenAgree,
-    /// The first drain: stop the pool consumer and, once no job is left,
-    /// step [`Event::Deletable`] and report `drained` (once per agent).
+    /// A drain from a pulling mode: stop the pool consumer and, once no
+    /// job is left, step [`Event::Deletable`] and report `drained` (once
+    /// per drain: a resume ends the drain, see [`Shared::finish_drain`]).
     StartDrain,
+    /// A resumed drain: pull again.
+    Resume,
+    /// A resume refused (nothing changed).
+    RefuseResume(NoResume),
 }
 
 impl Mode {
@@ -138,14 +174,25 @@ impl Mode {
         match (self, event) {
             (m, Event::AskDelete) if claimed > 0 => (m, Reply::Refuse),
             (Pulling | Leaving, Event::AskDelete) => (Leaving, Reply::StopThenAgree),
-            (m @ (Agreed | Draining | Drained), Event::AskDelete) => (m, Reply::StopThenAgree),
+            (m @ (Agreed | Draining | Stopping | Drained), Event::AskDelete) => {
+                (m, Reply::StopThenAgree)
+            }
             (Pulling | Leaving, Event::Drain) => (Draining, Reply::StartDrain),
-            (Agreed, Event::Drain) => (Drained, Reply::StartDrain),
-            (m @ (Draining | Drained), Event::Drain) => (m, Reply::Nothing),
+            (Pulling | Leaving, Event::Shutdown) => (Stopping, Reply::StartDrain),
+            (Agreed, Event::Drain | Event::Shutdown) => (Drained, Reply::StartDrain),
+            (Draining, Event::Shutdown) => (Stopping, Reply::Nothing),
+            (m @ (Draining | Stopping | Drained), Event::Drain) => (m, Reply::Nothing),
+            (m @ (Stopping | Drained), Event::Shutdown) => (m, Reply::Nothing),
+            (Pulling, Event::Resume) => (Pulling, Reply::Nothing),
+            (Draining, Event::Resume) => (Pulling, Reply::Resume),
+            (m @ (Leaving | Agreed | Drained), Event::Resume) => {
+                (m, Reply::RefuseResume(NoResume::Agreed))
+            }
+            (Stopping, Event::Resume) => (Stopping, Reply::RefuseResume(NoResume::ShuttingDown)),
             // Only a mode that stopped pulling can become deletable.
             (Pulling, Event::Deletable) => (Pulling, Reply::Nothing),
             (Leaving | Agreed, Event::Deletable) => (Agreed, Reply::Nothing),
-            (Draining | Drained, Event::Deletable) => (Drained, Reply::Nothing),
+            (Draining | Stopping | Drained, Event::Deletable) => (Drained, Reply::Nothing),
         }
     }
 
@@ -165,7 +212,9 @@ impl Mode {
             (Mode::Pulling, 0) => AgentState::Idle,
             (Mode::Pulling, _) => AgentState::Busy,
             (Mode::Leaving, _) | (_, 1..) => AgentState::Draining,
-            (Mode::Agreed | Mode::Draining | Mode::Drained, 0) => AgentState::Drained,
+            (Mode::Agreed | Mode::Draining | Mode::Stopping | Mode::Drained, 0) => {
+                AgentState::Drained
+            }
         }
     }
 }
@@ -173,6 +222,11 @@ impl Mode {
 #[derive(Debug)]
 struct Inner {
     mode: Mode,
+    /// The `--reason` of the drain in force (cleared by a resume).
+    drain_reason: Option<String>,
+    /// Raised by every resume: a drain's report waits for the drain of its
+    /// own generation ([`Shared::finish_drain`]).
+    drain_epoch: u64,
     jobs: BTreeMap<String, Claimed>,
     last_end: Instant,
     next_seq: u64,
@@ -223,6 +277,8 @@ pub struct Snapshot {
     pub is_pull: bool,
     /// Whether the agent agreed to be deleted.
     pub is_del: bool,
+    /// The reason of the drain in force, while not pulling because of it.
+    pub drain_reason: Option<String>,
     /// Seconds since the last job ended (or the agent started); 0 when busy.
     pub idle_secs: f64,
 }
@@ -250,6 +306,8 @@ impl Shared {
         Shared {
             inner: Mutex::new(Inner {
                 mode: Mode::Pulling,
+                drain_reason: None,
+                drain_epoch: 0,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
                 next_seq: 0,
@@ -508,14 +566,78 @@ impl Shared {
         self.heartbeat_now.notify_one();
     }
 
-    /// Steps [`Event::Drain`]: stops pulling and marks the agent as
-    /// draining. Returns `true` for the first drain only
-    /// ([`Reply::StartDrain`]): the one that reports `drained`.
-    pub fn start_drain(&self) -> bool {
-        let first = self.step(Event::Drain) == Reply::StartDrain;
+    /// Steps [`Event::Drain`] (control `drain`, with the operator's
+    /// `reason`, kept for heartbeats): stops pulling and marks the agent
+    /// as draining. Returns the drain's generation for the first drain
+    /// since the start or the last resume ([`Reply::StartDrain`]): the one
+    /// that reports `drained` ([`Shared::finish_drain`]); `None` if the
+    /// agent was draining already (the reason is kept then).
+    pub fn start_drain(&self, reason: Option<String>) -> Option<u64> {
+        self.drain_with(Event::Drain, reason)
+    }
+
+    /// Steps [`Event::Shutdown`]: drains for good (not resumable).
+    pub fn start_shutdown(&self) {
+        self.drain_with(Event::Shutdown, None);
+    }
+
+    fn drain_with(&self, event: Event, reason: Option<String>) -> Option<u64> {
+        let mut g = self.lock();
+        let (mode, reply) = g.mode.step(event, g.jobs.len());
+        g.mode = mode;
+        let first = (reply == Reply::StartDrain).then_some(g.drain_epoch);
+        if first.is_some() && reason.is_some() {
+            g.drain_reason = reason;
+        }
+        drop(g);
         self.pull_changed.notify_one();
         self.heartbeat_now.notify_one();
         first
+    }
+
+    /// Steps [`Event::Resume`]: a draining agent pulls again (the drain's
+    /// pending `drained` report is called off and its reason dropped).
+    /// Returns the [`Reply`]: [`Reply::Resume`] when resumed,
+    /// [`Reply::Nothing`] when it was pulling already,
+    /// [`Reply::RefuseResume`] otherwise.
+    pub fn resume(&self) -> Reply {
+        let mut g = self.lock();
+        let (mode, reply) = g.mode.step(Event::Resume, g.jobs.len());
+        g.mode = mode;
+        if reply == Reply::Resume {
+            g.drain_epoch += 1;
+            g.drain_reason = None;
+        }
+        drop(g);
+        if reply == Reply::Resume {
+            self.pull_changed.notify_one();
+            self.heartbeat_now.notify_one();
+        }
+        reply
+    }
+
+    /// Ends the drain of generation `epoch` (from [`Shared::start_drain`])
+    /// once no job is left: steps [`Event::Deletable`] and returns `true`
+    /// (report `drained`), unless a resume came since (`false`: nothing
+    /// changes). Under the lock, so a resume and the end of a drain are
+    /// ordered.
+    pub fn finish_drain(&self, epoch: u64) -> bool {
+        let mut g = self.lock();
+        if g.drain_epoch != epoch || g.mode.pulls() {
+            return false;
+        }
+        let (mode, _) = g.mode.step(Event::Deletable, g.jobs.len());
+        g.mode = mode;
+        drop(g);
+        self.heartbeat_now.notify_one();
+        true
+    }
+
+    /// The agent's state and claimed jobs now (for control answers).
+    pub fn state_now(&self) -> (AgentState, Vec<String>) {
+        let g = self.lock();
+        let running: Vec<String> = g.jobs.keys().cloned().collect();
+        (g.mode.agent_state(running.len()), running)
     }
 
     /// Waits until no job is claimed.
@@ -585,6 +707,11 @@ impl Shared {
             running,
             is_pull: g.mode.pulls(),
             is_del: g.mode.is_del(),
+            drain_reason: if g.mode.pulls() {
+                None
+            } else {
+                g.drain_reason.clone()
+            },
         }
     }
 }
@@ -650,13 +777,15 @@ mod tests {
         assert!(s.claim_recovered("j1", "c2", owned(), 1).is_none());
     }
 
-    use Event::{AskDelete, Deletable, Drain};
-    use Mode::{Agreed, Drained, Draining, Leaving, Pulling};
+    use Event::{AskDelete, Deletable, Drain, Resume, Shutdown};
+    use Mode::{Agreed, Drained, Draining, Leaving, Pulling, Stopping};
 
     /// Every (mode, event, claimed) of the lifecycle: the next mode and
     /// what the caller must do.
     #[test]
     fn every_transition_of_the_mode_is_the_one_of_the_table() {
+        const AGREED: Reply = Reply::RefuseResume(NoResume::Agreed);
+        const STOPPING: Reply = Reply::RefuseResume(NoResume::ShuttingDown);
         #[rustfmt::skip]
         let table = [
             // from      event      claimed  to        reply
@@ -664,30 +793,60 @@ mod tests {
             (Pulling,  AskDelete, 1, Pulling,  Reply::Refuse),
             (Pulling,  Drain,     0, Draining, Reply::StartDrain),
             (Pulling,  Drain,     1, Draining, Reply::StartDrain),
+            (Pulling,  Shutdown,  0, Stopping, Reply::StartDrain),
+            (Pulling,  Shutdown,  1, Stopping, Reply::StartDrain),
+            (Pulling,  Resume,    0, Pulling,  Reply::Nothing),
+            (Pulling,  Resume,    1, Pulling,  Reply::Nothing),
             (Pulling,  Deletable, 0, Pulling,  Reply::Nothing),
             (Pulling,  Deletable, 1, Pulling,  Reply::Nothing),
             (Leaving,  AskDelete, 0, Leaving,  Reply::StopThenAgree),
             (Leaving,  AskDelete, 1, Leaving,  Reply::Refuse),
             (Leaving,  Drain,     0, Draining, Reply::StartDrain),
             (Leaving,  Drain,     1, Draining, Reply::StartDrain),
+            (Leaving,  Shutdown,  0, Stopping, Reply::StartDrain),
+            (Leaving,  Shutdown,  1, Stopping, Reply::StartDrain),
+            (Leaving,  Resume,    0, Leaving,  AGREED),
+            (Leaving,  Resume,    1, Leaving,  AGREED),
             (Leaving,  Deletable, 0, Agreed,   Reply::Nothing),
             (Leaving,  Deletable, 1, Agreed,   Reply::Nothing),
             (Agreed,   AskDelete, 0, Agreed,   Reply::StopThenAgree),
             (Agreed,   AskDelete, 1, Agreed,   Reply::Refuse),
             (Agreed,   Drain,     0, Drained,  Reply::StartDrain),
             (Agreed,   Drain,     1, Drained,  Reply::StartDrain),
+            (Agreed,   Shutdown,  0, Drained,  Reply::StartDrain),
+            (Agreed,   Shutdown,  1, Drained,  Reply::StartDrain),
+            (Agreed,   Resume,    0, Agreed,   AGREED),
+            (Agreed,   Resume,    1, Agreed,   AGREED),
             (Agreed,   Deletable, 0, Agreed,   Reply::Nothing),
             (Agreed,   Deletable, 1, Agreed,   Reply::Nothing),
             (Draining, AskDelete, 0, Draining, Reply::StopThenAgree),
             (Draining, AskDelete, 1, Draining, Reply::Refuse),
             (Draining, Drain,     0, Draining, Reply::Nothing),
             (Draining, Drain,     1, Draining, Reply::Nothing),
+            (Draining, Shutdown,  0, Stopping, Reply::Nothing),
+            (Draining, Shutdown,  1, Stopping, Reply::Nothing),
+            (Draining, Resume,    0, Pulling,  Reply::Resume),
+            (Draining, Resume,    1, Pulling,  Reply::Resume),
             (Draining, Deletable, 0, Drained,  Reply::Nothing),
             (Draining, Deletable, 1, Drained,  Reply::Nothing),
+            (Stopping, AskDelete, 0, Stopping, Reply::StopThenAgree),
+            (Stopping, AskDelete, 1, Stopping, Reply::Refuse),
+            (Stopping, Drain,     0, Stopping, Reply::Nothing),
+            (Stopping, Drain,     1, Stopping, Reply::Nothing),
+            (Stopping, Shutdown,  0, Stopping, Reply::Nothing),
+            (Stopping, Shutdown,  1, Stopping, Reply::Nothing),
+            (Stopping, Resume,    0, Stopping, STOPPING),
+            (Stopping, Resume,    1, Stopping, STOPPING),
+            (Stopping, Deletable, 0, Drained,  Reply::Nothing),
+            (Stopping, Deletable, 1, Drained,  Reply::Nothing),
             (Drained,  AskDelete, 0, Drained,  Reply::StopThenAgree),
             (Drained,  AskDelete, 1, Drained,  Reply::Refuse),
             (Drained,  Drain,     0, Drained,  Reply::Nothing),
             (Drained,  Drain,     1, Drained,  Reply::Nothing),
+            (Drained,  Shutdown,  0, Drained,  Reply::Nothing),
+            (Drained,  Shutdown,  1, Drained,  Reply::Nothing),
+            (Drained,  Resume,    0, Drained,  AGREED),
+            (Drained,  Resume,    1, Drained,  AGREED),
             (Drained,  Deletable, 0, Drained,  Reply::Nothing),
             (Drained,  Deletable, 1, Drained,  Reply::Nothing),
         ];
@@ -698,6 +857,36 @@ mod tests {
                 "{from:?} + {event:?} with {claimed} claimed"
             );
         }
+    }
+
+    #[test]
+    fn a_resumed_drain_pulls_again_and_its_report_is_called_off() {
+        let s = Shared::new(1);
+        let _ = s.claim("j1", 1);
+        let first = s.start_drain(Some("kernel update".into())).expect("first");
+        assert_eq!(s.snapshot().drain_reason.as_deref(), Some("kernel update"));
+        assert_eq!(s.resume(), Reply::Resume);
+        assert!(s.wants_pull());
+        assert_eq!(s.snapshot().drain_reason, None, "a pulling agent has none");
+        s.release("j1");
+        assert!(!s.finish_drain(first), "the resumed drain does not report");
+        assert_eq!(s.mode(), Pulling);
+        // A new drain is a first drain again, and reports.
+        let second = s.start_drain(None).expect("a new drain");
+        assert_ne!(first, second);
+        assert!(s.finish_drain(second));
+        assert_eq!(s.mode(), Drained);
+        assert_eq!(s.resume(), Reply::RefuseResume(NoResume::Agreed));
+        assert!(!s.wants_pull());
+    }
+
+    #[test]
+    fn a_shutdown_is_not_resumable() {
+        let s = Shared::new(1);
+        assert!(s.start_drain(None).is_some());
+        s.start_shutdown();
+        assert_eq!(s.resume(), Reply::RefuseResume(NoResume::ShuttingDown));
+        assert_eq!(s.mode(), Stopping);
     }
 
     #[test]
@@ -713,6 +902,8 @@ mod tests {
             (Agreed,   1, AgentState::Draining, false, true),
             (Draining, 0, AgentState::Drained,  false, false),
             (Draining, 1, AgentState::Draining, false, false),
+            (Stopping, 0, AgentState::Drained,  false, false),
+            (Stopping, 1, AgentState::Draining, false, false),
             (Drained,  0, AgentState::Drained,  false, true),
             (Drained,  1, AgentState::Draining, false, true),
         ];
@@ -751,9 +942,12 @@ mod tests {
     fn drain_then_idle_reports_drained_once() {
         let s = Shared::new(1);
         let _ = s.claim("j1", 1);
-        assert!(s.start_drain(), "the first drain reports");
+        assert!(s.start_drain(None).is_some(), "the first drain reports");
         assert_eq!(s.snapshot().state, AgentState::Draining);
-        assert!(!s.start_drain(), "a second drain does not report again");
+        assert!(
+            s.start_drain(None).is_none(),
+            "a second drain does not report again"
+        );
         s.release("j1");
         s.mark_deleted();
         let snap = s.snapshot();
@@ -761,7 +955,7 @@ mod tests {
             (snap.state, snap.is_pull, snap.is_del),
             (AgentState::Drained, false, true)
         );
-        assert!(!s.start_drain(), "drained: no second report");
+        assert!(s.start_drain(None).is_none(), "drained: no second report");
     }
 
     #[test]
@@ -769,7 +963,7 @@ mod tests {
         let s = Shared::new(1);
         assert_eq!(s.try_stop_for_delete(), Ok(()));
         s.mark_deleted();
-        assert!(s.start_drain());
+        assert!(s.start_drain(None).is_some());
         assert_eq!(s.mode(), Drained);
     }
 

@@ -1,7 +1,8 @@
 //! Broker accounts: a controller whose account lacks a documented
 //! permission says which one, in its log, `/status` and `/readyz` (503;
 //! `/healthz`, liveness, stays 200), and is ready again once the permission
-//! is granted.
+//! is granted; an agent account without write on `<c>.replies` (made
+//! before agents answered control requests) still drains, unanswered.
 //!
 //! Uses the machine's shared broker and `rabbitmqctl` (root):
 //! `cargo test -p vq-tests --test broker_accounts -- --include-ignored`.
@@ -386,4 +387,84 @@ fn chrono_like_secs(t: &str) -> Option<f64> {
     let m: f64 = parts.next()?.parse().ok()?;
     let s: f64 = parts.next()?.parse().ok()?;
     Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// An agent account made before agents answered control requests (no
+/// write on `<c>.replies`): the agent still follows an operator's drain,
+/// its refused answer closes only the answer's own channel (the session
+/// lives on, no reconnect), its log names the permission, and `vq drain`
+/// says that no answer came (exit 69).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl)"]
+async fn an_agent_that_cannot_write_replies_still_drains_unanswered_in_the_same_session(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    use vq_tests::harness::{broker_url, build_bin, wait_agent_up, AgentLaunch};
+    let cluster = unique_cluster();
+    let pool = "norep";
+    let mut perms = Permissions::for_role(Role::Agent, &cluster);
+    // The documented rule before `replies` (test cluster names have no
+    // regex characters).
+    let c = &cluster;
+    perms.write = format!(r"^{c}\.(events|dead|lease|agents|(jobs|lease|control)\.[^.]+)$");
+    let agent_acct = accounts::account(Role::Agent, "vqt-norep-agent");
+    accounts::create_with(&[(agent_acct.clone(), perms)], accounts::import_shared)?;
+    let url = shared_broker()?.url_of(&agent_acct);
+
+    let broker = TestBroker::connect(&cluster, &[pool]).await?;
+    let mut tap = broker.tap_events().await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("agent.log");
+    let agent_id = format!("{cluster}-a1");
+    let launch = AgentLaunch {
+        url: &url,
+        cluster: &cluster,
+        pool,
+        agent_id: &agent_id,
+        extra_toml: "",
+        broker_toml: "",
+        dir: dir.path(),
+        stderr: Some(&log),
+        args: &[],
+        env: &[],
+    };
+    let _guard = launch.spawn()?;
+    wait_agent_up(&mut tap, &agent_id).await?;
+
+    let bin = build_bin("vq-cli", "vq")?;
+    let admin = broker_url(Role::Controller)?;
+    let (cl, ag) = (cluster.clone(), agent_id.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin)
+            .env("VQ_BROKER_URL", admin)
+            .env("VQ_CLUSTER", cl)
+            .env("XDG_CONFIG_HOME", "/nonexistent")
+            .args(["drain", &ag, "--timeout", "3"])
+            .output()
+    })
+    .await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(69), "{:?}: {stderr}", out.status);
+    ensure!(stderr.contains("did not answer within 3 s"), "{stderr}");
+    // Followed all the same: idle, so drained at once.
+    tap.wait_for(Duration::from_secs(10), "drained", |k, v| {
+        k.ends_with(".drained") && v["agent"] == agent_id.as_str()
+    })
+    .await?;
+    let text = std::fs::read_to_string(&log)?;
+    ensure!(
+        text.lines()
+            .any(|l| l.contains("cannot answer a control request")
+                && l.contains("ACCESS_REFUSED")
+                && l.contains(&format!("{cluster}.replies"))),
+        "the agent's log must name the refused exchange:\n{text}"
+    );
+    ensure!(
+        !text.contains("broker session ended"),
+        "a refused answer must not end the session:\n{text}"
+    );
+    broker.cleanup().await;
+    Ok(())
 }

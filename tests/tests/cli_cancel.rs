@@ -218,7 +218,8 @@ async fn a_cancelled_queued_job_never_runs_and_shows_x_at_once() -> anyhow::Resu
         "a withdrawn job was dead-lettered"
     );
 
-    // A running job: the cancel goes to its agent, which stops it.
+    // A running job: the cancel goes to its agent, which stops it and
+    // answers.
     let long = job(POOL, &alice.name, "long", "sleep 60\n");
     submit(&broker, sub, &long).await?;
     tap.job_event(&long.id, "started", Duration::from_secs(30))
@@ -227,7 +228,11 @@ async fn a_cancelled_queued_job_never_runs_and_shows_x_at_once() -> anyhow::Resu
     let o = vq_as(sub, &cluster, &["cancel", &long.id])?;
     ensure!(o.status.success(), "{}", text(&o.stderr));
     ensure!(
-        text(&o.stdout).contains(&format!("sent to agent {agent_id}")),
+        text(&o.stdout).trim()
+            == format!(
+                "job {}: cancelled on agent {agent_id} (SIGTERM now, SIGKILL after its grace period)",
+                long.id
+            ),
         "{}",
         text(&o.stdout)
     );

@@ -447,22 +447,22 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         .name;
     publish_event(ch, topo, &event(&job, "ag1", JobState::Started)).await;
 
+    // Nothing answers on this control queue (as an agent older than
+    // control answers): the request is delivered, then the command says
+    // no answer came and exits 69.
     let prefix = &job.id[..8];
     let out = vq(topo.cluster())
-        .args(["cancel", prefix])
+        .args(["cancel", prefix, "--timeout", "1"])
         .output()
         .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        stderr.contains("agent ag1 took the request but did not answer within 1 s"),
+        "{stderr}"
     );
-    // A successful command prints no library log line.
-    assert!(
-        out.stderr.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // A failed command prints its error only, no library log line.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
     let got = get_one(ch, &control).await;
     assert_eq!(
         Control::decode(&got.delivery.data).unwrap(),
@@ -470,14 +470,20 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
             job_id: job.id.clone()
         }
     );
+    let props = &got.delivery.properties;
     assert_eq!(
-        got.delivery
-            .properties
-            .user_id()
-            .as_ref()
-            .map(|s| s.to_string()),
+        props.user_id().as_ref().map(|s| s.to_string()),
         Some(submitter_user())
     );
+    // Where the agent answers: the CLI's reply queue, with a correlation id.
+    assert!(
+        props
+            .reply_to()
+            .as_ref()
+            .is_some_and(|q| q.as_str().starts_with("amq.gen-")),
+        "{props:?}"
+    );
+    assert!(props.correlation_id().is_some(), "{props:?}");
 
     let out = vq(topo.cluster())
         .args(["cancel", "doesnotexist"])
@@ -485,22 +491,34 @@ async fn cancel_reaches_the_running_agent_and_drain_needs_a_live_agent() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64));
 
-    let out = vq(topo.cluster()).args(["drain", "ag1"]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.stderr.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = vq(topo.cluster())
+        .args([
+            "drain",
+            "ag1",
+            "--reason",
+            "kernel update",
+            "--timeout",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("did not answer within 1 s"), "{stderr}");
     let got = get_one(ch, &control).await;
-    assert!(matches!(
-        Control::decode(&got.delivery.data).unwrap(),
-        Control::Drain { .. }
-    ));
+    let Control::Drain { request_id, reason } = Control::decode(&got.delivery.data).unwrap() else {
+        panic!("not a drain")
+    };
+    assert_eq!(reason.as_deref(), Some("kernel update"));
+    // The drain's request id is its correlation id.
+    assert_eq!(
+        got.delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|c| c.to_string()),
+        Some(request_id)
+    );
     let out = vq(topo.cluster())
         .args(["drain", "ghost"])
         .output()

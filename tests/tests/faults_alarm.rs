@@ -307,6 +307,7 @@ async fn a_broker_alarm_holds_publishers_and_loses_nothing() -> anyhow::Result<(
             &agent_id,
             &Control::Drain {
                 request_id: "alarm-drain".into(),
+                reason: None,
             },
         )
         .await?;

@@ -267,9 +267,22 @@ pub fn classify(s: &ObservedServer, pool: &PoolConfig, obs: &Observed, t: Timing
     }
 }
 
+/// `"; drained by an operator: REASON"` when the agent drains for an
+/// operator's `--reason`, else nothing: decisions about such an agent say
+/// why it went out of service.
+fn drain_note(s: &ObservedServer) -> String {
+    match s.agent.as_ref().and_then(|a| a.drain_reason.as_deref()) {
+        Some(r) => format!("; drained by an operator: {r}"),
+        None => String::new(),
+    }
+}
+
 fn delete_reason(cause: DeleteCause, s: &ObservedServer, pool: &PoolConfig, t: Timing) -> String {
     match cause {
-        DeleteCause::Agreed => "agent agreed to be deleted and runs no job".into(),
+        DeleteCause::Agreed => format!(
+            "agent agreed to be deleted and runs no job{}",
+            drain_note(s)
+        ),
         DeleteCause::Error => "server is in ERROR".into(),
         DeleteCause::StuckBuild => format!(
             "server still in BUILD after {:.0} s (boot timeout {} s)",
@@ -351,8 +364,9 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 server_id: s.id.clone(),
                 agent: s.name.clone(),
                 reason: format!(
-                    "agent reports {} with no job running, but this controller holds no matching yes: asking (again)",
-                    if a.is_del { "is_del" } else { "drained" }
+                    "agent reports {} with no job running, but this controller holds no matching yes: asking (again){}",
+                    if a.is_del { "is_del" } else { "drained" },
+                    drain_note(s)
                 ),
             });
         }

@@ -37,6 +37,7 @@ fn agent(running: u32, idle_secs: f64, hb_age: f64) -> AgentSeen {
         is_del: false,
         idle_secs,
         answer: None,
+        drain_reason: None,
     }
 }
 
@@ -362,6 +363,35 @@ fn only_a_yes_matched_to_our_request_id_deletes() {
 }
 
 #[test]
+fn decisions_about_an_agent_drained_by_an_operator_give_the_operators_reason() {
+    let mut drained = agent(0, 500.0, 2.0);
+    drained.state = AgentState::Drained;
+    drained.is_del = true;
+    drained.drain_reason = Some("kernel update, ticket 4711".into());
+    let s = vec![srv("d", NovaStatus::Active, 900.0, Some(drained.clone()))];
+    let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+    assert_eq!(asks(&p), vec!["d".to_string()]);
+    assert!(
+        p.actions[0]
+            .reason()
+            .ends_with("; drained by an operator: kernel update, ticket 4711"),
+        "{:?}",
+        p.actions
+    );
+    drained.answer = yes(true, 1.0);
+    let s = vec![srv("d", NovaStatus::Active, 900.0, Some(drained))];
+    let p = plan(&obs(s, 0, 0), &pool(0, 10, 1), T);
+    assert_eq!(deletes(&p), vec![("d".into(), DeleteCause::Agreed)]);
+    assert!(
+        p.actions[0]
+            .reason()
+            .contains("drained by an operator: kernel update"),
+        "{:?}",
+        p.actions
+    );
+}
+
+#[test]
 fn is_del_alone_is_not_enough_the_agent_is_asked_again() {
     // After a controller restart: the heartbeat says is_del, but no
     // matching answer is known.
@@ -441,6 +471,7 @@ fn arb_agent() -> impl Strategy<Value = AgentSeen> {
             slots: running.max(1),
             is_del,
             idle_secs: idle,
+            drain_reason: None,
             answer: ans.map(|(a, m, r, matched)| AnswerSeen {
                 age_secs: a,
                 may_delete: m,
