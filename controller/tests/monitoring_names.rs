@@ -38,9 +38,12 @@ fn served_names() -> BTreeSet<String> {
         &m.pool_running,
         &m.pool_target,
         &m.pool_servers_stuck_deleting,
+        &m.pool_breaker_open,
+        &m.pool_boot_failures,
     ] {
         g.get_or_create(&cms).set(1);
     }
+    m.pool_obstacle_kind("cms", Some("quota"));
     for g in [&m.pool_vms, &m.pool_agents, &m.pool_slots] {
         g.get_or_create(&cms_and("state", "x")).set(1);
     }
@@ -148,4 +151,28 @@ fn an_unknown_name_is_found() {
         used.difference(&served).collect::<Vec<_>>(),
         [&"vq_pool_queud".to_string()]
     );
+}
+
+/// Every family the registry serves is shown by some panel of the
+/// dashboard (a family counts as shown when a query names it or one of
+/// its sample names).
+#[test]
+fn every_family_has_a_dashboard_panel() {
+    let used = vq_names(&read("packaging/grafana/vq.json"));
+    let served = served_names();
+    let mut missing = Vec::new();
+    for name in &served {
+        // A family counts as shown when any of its sample names is used.
+        let family = ["_total", "_created", "_bucket", "_sum", "_count", "_info"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        let shown = used
+            .iter()
+            .any(|u| u == family || u.strip_prefix(family).is_some_and(|r| r.starts_with('_')));
+        if !shown && !missing.contains(&family.to_string()) {
+            missing.push(family.to_string());
+        }
+    }
+    assert!(missing.is_empty(), "families without a panel: {missing:?}");
 }
