@@ -5,6 +5,9 @@
 //!   demand, control, delete answer) and their JSON Schemas;
 //! * [`jobs`]: the job table (the one fold of job events) and the
 //!   messages of a job-table query;
+//! * [`pools`]: the pools' published limits (slots, max walltime, memory
+//!   per VM), the query that asks for them and the rule that refuses a job
+//!   larger than its pool;
 //! * [`topology`]: exchange, queue and routing-key names and queue arguments;
 //! * [`config`]: config structs, `VQ_*` overrides and `validate()`;
 //! * [`pbs`]: `#PBS` directive and walltime parsing;
@@ -33,6 +36,7 @@ pub mod jobs;
 pub mod lease;
 pub mod messages;
 pub mod pbs;
+pub mod pools;
 pub mod tls;
 pub mod topology;
 

@@ -944,6 +944,8 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         one::<crate::jobs::JobPage>("job-page.schema.json"),
         one::<crate::jobs::cancel::CancelRequest>("cancel-request.schema.json"),
         one::<crate::jobs::cancel::CancelAnswer>("cancel-answer.schema.json"),
+        one::<crate::pools::PoolQuery>("pool-query.schema.json"),
+        one::<crate::pools::PoolsPage>("pools-page.schema.json"),
     ]
 }
 

@@ -868,6 +868,18 @@ fn parse_select(value: &str) -> Result<(Option<u32>, Option<u64>), PbsError> {
     Ok((slots, mem))
 }
 
+/// Formats `bytes` as a Torque size that [`parse_size`] reads back: the
+/// largest of `tb`, `gb`, `mb`, `kb` (powers of 1024) that divides it
+/// exactly, else `b` (`4294967296` → `4gb`, `1536` → `1536b`).
+pub fn format_size(bytes: u64) -> String {
+    for (shift, unit) in [(40, "tb"), (30, "gb"), (20, "mb"), (10, "kb")] {
+        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    format!("{bytes}b")
+}
+
 /// Formats seconds as Torque prints walltimes: `HH:MM:SS` (hours may exceed
 /// 99). [`parse_walltime`] reads it back.
 pub fn format_walltime(secs: u64) -> String {

@@ -266,6 +266,13 @@ impl Topology {
         format!("{}.query.cancel", self.cluster)
     }
 
+    /// Routing key of `vq submit`'s question for the pools' limits
+    /// ([`crate::pools::PoolQuery`]) on [`Topology::control_exchange`]:
+    /// `<c>.query.pools` (no agent id).
+    pub fn pool_query_key(&self) -> String {
+        format!("{}.query.pools", self.cluster)
+    }
+
     /// Direct exchange of the controller's answers to queries
     /// ([`crate::jobs::JobPage`]): routing key = the requester's
     /// `reply_to`, an exclusive server-named queue (`amq.gen-…`) the

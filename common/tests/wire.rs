@@ -92,6 +92,13 @@ fn every_fixture_survives_a_round_trip() {
     assert_eq!(q.states, [State::Queued, State::Running]);
     let page: vq_common::jobs::JobPage = round_trip("job-page.json");
     assert_eq!((page.jobs[0].letter, page.next), ('C', Some(41)));
+    round_trip::<vq_common::pools::PoolQuery>("pool-query.json");
+    let pools: vq_common::pools::PoolsPage = round_trip("pools-page.json");
+    assert_eq!(pools.names(), ["cms", "short"]);
+    assert_eq!(
+        (pools.pools[0].memory_mb, pools.pools[1].memory_mb),
+        (Some(8192), None)
+    );
     let w: JobEvent = round_trip("job-event-withdrawn.json");
     assert_eq!(w.state.routing_word(), "cancelled");
     let req: CancelRequest = round_trip("cancel-request.json");

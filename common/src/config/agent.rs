@@ -173,6 +173,13 @@ pub struct AgentConfig {
     pub metrics_listen: String,
 }
 
+/// Default `max_walltime_secs` of an agent and of a controller's pool:
+/// 31 days.
+pub const DEFAULT_MAX_WALLTIME_SECS: u64 = 31 * 24 * 3600;
+
+/// Largest `max_walltime_secs` an agent or a pool may have: 10 years.
+pub const MAX_WALLTIME_LIMIT_SECS: u64 = 10 * 366 * 24 * 3600;
+
 /// Largest `job_pids_max`: the kernel's `PID_MAX_LIMIT` on 64-bit Linux.
 pub const MAX_JOB_PIDS: u64 = 4_194_304;
 
@@ -190,7 +197,7 @@ impl Default for AgentConfig {
             submitters: SubmitterRules::default(),
             heartbeat_secs: 10.0,
             default_walltime_secs: 24 * 3600,
-            max_walltime_secs: 31 * 24 * 3600,
+            max_walltime_secs: DEFAULT_MAX_WALLTIME_SECS,
             loss_limit: crate::topology::DEFAULT_LOSS_LIMIT,
             control_admins: vec!["vq-controller".into()],
             kill_grace_secs: 10,
@@ -258,9 +265,9 @@ impl AgentConfig {
         if self.default_walltime_secs == 0 {
             p.push("default_walltime_secs: must be at least 1".into());
         }
-        if self.max_walltime_secs == 0 || self.max_walltime_secs > 10 * 366 * 24 * 3600 {
+        if self.max_walltime_secs == 0 || self.max_walltime_secs > MAX_WALLTIME_LIMIT_SECS {
             p.push(format!(
-                "max_walltime_secs: {} is out of range 1..=316224000 (10 years)",
+                "max_walltime_secs: {} is out of range 1..={MAX_WALLTIME_LIMIT_SECS} (10 years)",
                 self.max_walltime_secs
             ));
         } else if self.default_walltime_secs > self.max_walltime_secs {
@@ -360,6 +367,15 @@ pub struct AgentIdentity {
     /// lost job's fate alike; `None`: the config's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_limit: Option<u32>,
+    /// The pool's `slots` (the controller plans VMs of this many slots):
+    /// wins over the config's `slots`; `None`: the config's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
+    /// The pool's `max_walltime_secs` (what `vq submit` checks against):
+    /// wins over the config's, and caps its `default_walltime_secs`;
+    /// `None`: the config's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_walltime_secs: Option<u64>,
 }
 
 #[cfg(test)]

@@ -38,8 +38,23 @@ pub struct PoolConfig {
     pub min: u32,
     /// VMs never exceeded.
     pub max: u32,
-    /// Job slots per VM (the agent's `slots`).
+    /// Job slots per VM: the controller plans VMs of this many slots, gives
+    /// it to the agents it boots (their identity file's `slots`, which wins
+    /// over their config's) and publishes it to `vq submit`, which refuses
+    /// a job asking more (`-l nodes=1:ppn=N`, `ncpus`).
     pub slots: u32,
+    /// Largest walltime a job of this pool may ask for, seconds (a PBS
+    /// queue's `resources_max.walltime`): published to `vq submit`, which
+    /// refuses a job asking more, and given to the agents it boots (their
+    /// identity file's `max_walltime_secs`, which wins over their config's
+    /// and caps their `default_walltime_secs`). Default 31 days, the
+    /// agents' own default; at most 10 years.
+    pub max_walltime_secs: u64,
+    /// Memory of each VM for jobs, MiB (at most the flavor's RAM): `vq
+    /// submit` refuses a job whose `-l mem` is above it. `None` (the
+    /// default): not checked at submit; the agent still refuses a job
+    /// asking more memory than its VM has.
+    pub memory_mb: Option<u64>,
     /// Seconds a server may take from create to its agent's first heartbeat.
     pub boot_timeout_secs: u64,
     /// Seconds an agent must be idle before it is asked to go.
@@ -87,6 +102,8 @@ impl Default for PoolConfig {
             min: 0,
             max: 10,
             slots: 1,
+            max_walltime_secs: crate::config::DEFAULT_MAX_WALLTIME_SECS,
+            memory_mb: None,
             boot_timeout_secs: 600,
             idle_secs: 300,
             cooldown_secs: 30,
@@ -339,6 +356,20 @@ impl ControllerConfig {
                     pool.slots
                 ));
             }
+            if pool.max_walltime_secs == 0
+                || pool.max_walltime_secs > crate::config::MAX_WALLTIME_LIMIT_SECS
+            {
+                p.push(format!(
+                    "{k}.max_walltime_secs: {} is out of range 1..={} (10 years)",
+                    pool.max_walltime_secs,
+                    crate::config::MAX_WALLTIME_LIMIT_SECS
+                ));
+            }
+            if pool.memory_mb == Some(0) {
+                p.push(format!(
+                    "{k}.memory_mb: 0 must be at least 1 (leave it out to check no memory at submit)"
+                ));
+            }
             if pool.boot_timeout_secs == 0 {
                 p.push(format!("{k}.boot_timeout_secs: must be at least 1"));
             }
@@ -429,6 +460,40 @@ mod tests {
         assert!(check("breaker_open_secs = 0.0").is_some());
         assert!(check("delete_retry_secs = 0.0").is_some());
         assert!(check("delete_timeout_secs = -1.0").is_some());
+    }
+
+    #[test]
+    fn pool_limits_default_to_the_agents_and_bad_ones_are_all_listed() {
+        let check = |keys: &str| {
+            let text = format!(
+                "[pools.cms]\nflavor = \"f\"\nimage = \"i\"\nagent_broker_url = \"amqp://h\"\n{keys}\n"
+            );
+            match parse::<ControllerConfig>("test", &text, toml::Table::new()) {
+                Ok(c) => Ok(c.pools["cms"].clone()),
+                Err(ConfigError::Invalid { problems, .. }) => Err(problems.join("\n")),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let pool = check("").unwrap();
+        assert_eq!(
+            (pool.max_walltime_secs, pool.memory_mb),
+            (AgentConfig::default().max_walltime_secs, None),
+            "the agents' default of 31 days, no memory check"
+        );
+        let pool = check("max_walltime_secs = 86400\nmemory_mb = 4096").unwrap();
+        assert_eq!((pool.max_walltime_secs, pool.memory_mb), (86_400, Some(4096)));
+        let err = check("max_walltime_secs = 0\nmemory_mb = 0\nslots = 0").unwrap_err();
+        for needle in [
+            "pools.cms.max_walltime_secs: 0 is out of range 1..=316224000",
+            "pools.cms.memory_mb: 0 must be at least 1",
+            "pools.cms.slots: 0 is out of range",
+        ] {
+            assert!(err.contains(needle), "{needle} not in:\n{err}");
+        }
+        let err = check("max_walltime_secs = 316224001").unwrap_err();
+        assert!(err.contains("max_walltime_secs: 316224001"), "{err}");
+        let err = check("memory_mb = -1").unwrap_err();
+        assert!(err.contains("pools.cms.memory_mb"), "{err}");
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub mod broker;
 pub mod check;
 pub mod controller;
 
-pub use agent::{AgentConfig, AgentIdentity, SubmitterRules, MAX_JOB_PIDS};
+pub use agent::{
+    AgentConfig, AgentIdentity, SubmitterRules, DEFAULT_MAX_WALLTIME_SECS, MAX_JOB_PIDS,
+    MAX_WALLTIME_LIMIT_SECS,
+};
 pub use broker::BrokerConfig;
 pub use controller::{
     ControllerConfig, Microversion, OpenStackSection, PoolConfig, MIN_COMPUTE_MICROVERSION,
