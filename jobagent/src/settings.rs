@@ -17,7 +17,8 @@ pub const DEFAULT_CONFIG: &str = "/etc/vq/jobagent.toml";
 pub const DEFAULT_IDENTITY: &str = "/etc/vq/identity.toml";
 
 /// Loads the config at `config`, with `env` (`VQ_*` variables), then the
-/// identity file (pool, agent id, cluster, broker URL, loss limit), then
+/// identity file (pool, agent id, cluster, broker URL, loss limit, and the
+/// pool's slots and max walltime, which also caps the default walltime), then
 /// `state_dir` layered over it, and fills an empty agent id with the short
 /// host name `hostname`.
 ///
@@ -37,6 +38,7 @@ pub fn load_settings(
     let origin = config.display().to_string();
     let mut problems = Vec::new();
     let mut overrides = env_overrides(AgentConfig::ENV_PREFIX, env);
+    let mut pool_max_walltime = None;
     if let Some(path) = identity {
         let parsed = std::fs::read_to_string(path)
             .map_err(|e| vec![format!("cannot be read: {e}")])
@@ -50,6 +52,13 @@ pub fn load_settings(
                 }
                 if let Some(n) = id.loss_limit {
                     overrides.insert("loss_limit".into(), i64::from(n).into());
+                }
+                if let Some(n) = id.slots {
+                    overrides.insert("slots".into(), i64::from(n).into());
+                }
+                if let Some(max) = id.max_walltime_secs {
+                    pool_max_walltime = Some(max);
+                    overrides.insert("max_walltime_secs".into(), toml_int(max));
                 }
                 if let Some(url) = id.broker_url {
                     let broker = overrides
@@ -78,6 +87,9 @@ pub fn load_settings(
     let checked = std::fs::read_to_string(config)
         .map_err(|e| vec![format!("{origin}: cannot be read: {e}")])
         .and_then(|text| {
+            if let Some(max) = pool_max_walltime {
+                cap_default_walltime(&text, &mut overrides, max);
+            }
             parse_checked::<AgentConfig>(&origin, &text, overrides).map_err(|e| match e {
                 ConfigError::Invalid { problems, .. } => problems,
                 other => vec![other.to_string()],
@@ -109,6 +121,32 @@ pub fn load_settings(
         Ok(cfg)
     } else {
         Err(ConfigError::Invalid { origin, problems })
+    }
+}
+
+fn toml_int(n: u64) -> toml::Value {
+    toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
+}
+
+/// Caps the `default_walltime_secs` of the config `text` with `overrides`
+/// over it (else [`AgentConfig`]'s default) to the pool's walltime maximum
+/// `max` from the identity file: a job without a walltime must be one the
+/// pool accepts, whatever the image's config says. A value that is no
+/// integer is left for the config check to report.
+fn cap_default_walltime(text: &str, overrides: &mut toml::Table, max: u64) {
+    let key = "default_walltime_secs";
+    let from_file = text
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|t| t.get(key).cloned());
+    let given = overrides.get(key).cloned().or(from_file);
+    let default = match given {
+        None => AgentConfig::default().default_walltime_secs,
+        Some(toml::Value::Integer(n)) => u64::try_from(n).unwrap_or(0),
+        Some(_) => return,
+    };
+    if default > max {
+        overrides.insert(key.into(), toml_int(max));
     }
 }
 
@@ -156,6 +194,52 @@ mod tests {
             ("cms", "vq-cms-1", "amqp://a:b@h/%2f")
         );
         assert_eq!(cfg.slots, 2);
+    }
+
+    /// An agent booted by the controller runs its pool's `slots` and
+    /// `max_walltime_secs`, whatever the image's config says, and its
+    /// default walltime fits under that maximum.
+    #[test]
+    fn the_pools_slots_and_max_walltime_from_the_identity_win_and_cap_the_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg_path = dir.path().join("a.toml");
+        let id_path = dir.path().join("id.toml");
+        let load = |config: &str, identity: &str| {
+            std::fs::write(&cfg_path, config).unwrap();
+            std::fs::write(&id_path, identity).unwrap();
+            load_settings(&cfg_path, Some(&id_path), None, [], "h")
+        };
+        let id = "pool = \"cms\"\nagent_id = \"vq-cms-1\"\nslots = 4\nmax_walltime_secs = 3600\n";
+        let cfg = load("slots = 2\n", id).unwrap();
+        assert_eq!(
+            (cfg.slots, cfg.max_walltime_secs, cfg.default_walltime_secs),
+            (4, 3600, 3600),
+            "the default of 24 h is capped to the pool's 1 h"
+        );
+        let cfg = load("default_walltime_secs = 600\nmax_walltime_secs = 60\n", id).unwrap();
+        assert_eq!(
+            (cfg.max_walltime_secs, cfg.default_walltime_secs),
+            (3600, 600),
+            "a default under the pool's maximum stays"
+        );
+        let cfg = load("default_walltime_secs = 7200\n", id).unwrap();
+        assert_eq!(cfg.default_walltime_secs, 3600);
+        // An identity without them (an older controller): the config's.
+        let cfg = load(
+            "slots = 2\nmax_walltime_secs = 7200\ndefault_walltime_secs = 7200\n",
+            "pool = \"cms\"\nagent_id = \"vq-cms-1\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (cfg.slots, cfg.max_walltime_secs, cfg.default_walltime_secs),
+            (2, 7200, 7200)
+        );
+        // A bad default is still reported as the config's problem.
+        let err = load("default_walltime_secs = \"long\"\n", id).unwrap_err();
+        assert!(
+            err.to_string().contains("default_walltime_secs: expected an integer"),
+            "{err}"
+        );
     }
 
     /// The config's type and value errors, the identity file's and the
