@@ -71,6 +71,16 @@ pub enum CliError {
         /// (`None`: not asked or not reachable).
         known: Option<Vec<String>>,
     },
+    /// The job asks more than any VM of its pool has, as the controller
+    /// publishes the pool's limits ([`vq_common::pools`]); nothing was
+    /// published. One sentence per limit, each on its own line (the lines
+    /// after the first start with `vq: `, as `vq` prints the first).
+    #[error("{}", refusals.join("\nvq: "))]
+    OverLimits {
+        /// Why, one sentence per limit exceeded
+        /// ([`vq_common::pools::PoolLimits::refusals`]).
+        refusals: Vec<String>,
+    },
     /// The cluster's exchanges do not exist on the broker.
     #[error("no cluster named {cluster:?} on the broker (exchange {exchange:?} does not exist); check --cluster, or start the controller, which declares it")]
     NoSuchCluster {
@@ -255,6 +265,7 @@ impl CliError {
             | CliError::Option(_)
             | CliError::Usage(_)
             | CliError::NoSuchPool { .. }
+            | CliError::OverLimits { .. }
             | CliError::NoSuchCluster { .. }
             | CliError::NoSuchAgent { .. }
             | CliError::UnknownJob { .. }

@@ -9,7 +9,8 @@
 //!
 //! The binary (`src/main.rs`) only parses arguments and maps errors to
 //! exit codes; everything else is here so tests can call it: [`submit`]
-//! (building and publishing a job), [`events`] (reading and following job
+//! (building and publishing a job), [`limits`] (checking it against its
+//! pool's published limits first), [`events`] (reading and following job
 //! events), [`stat`], [`control`] (cancel, drain, resume), [`pools`], [`settings`]
 //! (where to connect), [`term`] (the invoking user, terminal-safe text),
 //! [`usage`] (unknown options in words) and [`error`] (every error and its
@@ -18,6 +19,7 @@
 pub mod control;
 pub mod error;
 pub mod events;
+pub mod limits;
 pub mod pools;
 pub mod reply;
 pub mod settings;

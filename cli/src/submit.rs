@@ -1,5 +1,7 @@
 //! `vq submit`: build a [`Job`] from a script's `#PBS` directives and
-//! `qsub`-style options, publish it to the pool queue, print its id.
+//! `qsub`-style options, check it against its pool's limits as the
+//! controller publishes them ([`crate::limits`]), publish it to the pool
+//! queue, print its id.
 //!
 //! Semantics (Torque `qsub`, adapted):
 //!
@@ -35,6 +37,7 @@ use vq_common::topology::{job_event_key, Topology};
 
 use crate::error::{amqp_reply_code, CliError, SubmitError, NOT_FOUND};
 use crate::events;
+use crate::limits::Limits;
 use crate::settings::Settings;
 
 /// Pool used when neither `-q` nor `#PBS -q` names one.
@@ -533,18 +536,32 @@ pub async fn run(
     let conn = amqp::connect(&settings.broker, "vq submit")
         .await
         .map_err(CliError::broker("connect to the broker"))?;
-    let result = submit_on(&conn, settings, &topo, &job, wait).await;
+    let limits = crate::limits::ask(&conn, settings, crate::limits::LIMITS_TIMEOUT).await;
+    let result = match &limits {
+        Limits::Known(page) => crate::limits::check(page, &job),
+        Limits::Unchecked(_) => Ok(()),
+    };
+    let result = match result {
+        Ok(()) => submit_on(&conn, settings, &topo, &job, &limits, wait).await,
+        Err(e) => Err(e),
+    };
     let _ = conn.close(200, "bye".into()).await;
     match result {
         Err(CliError::NoSuchPool {
             pool,
             cluster,
             known: None,
-        }) => Err(CliError::NoSuchPool {
-            pool,
-            cluster,
-            known: crate::pools::pool_names(settings).await,
-        }),
+        }) => {
+            let known = match limits.pool_names() {
+                Some(names) => Some(names),
+                None => crate::pools::pool_names(settings).await,
+            };
+            Err(CliError::NoSuchPool {
+                pool,
+                cluster,
+                known,
+            })
+        }
         other => other,
     }
 }
@@ -554,6 +571,7 @@ async fn submit_on(
     settings: &Settings,
     topo: &Topology,
     job: &Job,
+    limits: &Limits,
     wait: bool,
 ) -> Result<i32, CliError> {
     let ch = amqp::confirm_channel(conn)
@@ -569,6 +587,14 @@ async fn submit_on(
     publish_job(&ch, topo, job, &settings.broker_user(), timeout).await?;
     tracing::info!(job_id = %job.id, pool = %job.pool, "job submitted");
     println!("{}", job.id);
+    // Said once the job is queued: a job that cannot be queued gets its
+    // error alone.
+    if let Limits::Unchecked(why) = limits {
+        eprintln!(
+            "{}",
+            crate::limits::unchecked_warning(job, &crate::term::printable(why))
+        );
+    }
     // The job is queued whatever happens to its `queued` event: without it
     // `vq stat` shows the job from its start on.
     if let Err(e) = publish_queued(

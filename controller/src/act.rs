@@ -53,7 +53,10 @@ pub const BLOCK_METADATA_CMD: &str = "command -v iptables >/dev/null 2>&1 && { i
 
 /// The identity file of a new agent, as TOML. It carries the
 /// controller's `loss_limit` so that the agent, recovering its own leases
-/// after a restart, decides a lost job's fate as the controller does.
+/// after a restart, decides a lost job's fate as the controller does, and
+/// the pool's `slots` and `max_walltime_secs` so that the agent takes the
+/// jobs the controller planned VMs for and `vq submit` accepted
+/// ([`vq_common::pools`]).
 pub fn identity_toml(
     cluster: &str,
     pool: &str,
@@ -67,6 +70,8 @@ pub fn identity_toml(
         agent_id: agent_id.to_string(),
         broker_url: Some(cfg.agent_broker_url.clone()),
         loss_limit: Some(loss_limit),
+        slots: Some(cfg.slots),
+        max_walltime_secs: Some(cfg.max_walltime_secs),
     };
     toml::to_string(&id).expect("identity serializes to TOML")
 }
@@ -324,6 +329,19 @@ mod tests {
             Some(5),
             "the agent gets the controller's loss_limit"
         );
+        assert_eq!(
+            (id.slots, id.max_walltime_secs),
+            (Some(1), Some(31 * 24 * 3600)),
+            "the agent gets the pool's slots and max walltime"
+        );
+        let wide = PoolConfig {
+            slots: 4,
+            max_walltime_secs: 3600,
+            ..pool_cfg()
+        };
+        let id: AgentIdentity =
+            toml::from_str(&identity_toml("vq", "cms", "vq-cms-1", &wide, 5)).unwrap();
+        assert_eq!((id.slots, id.max_walltime_secs), (Some(4), Some(3600)));
         assert_eq!(doc["runcmd"][0][4].as_str(), Some("jobagent"));
         assert_eq!(doc["runcmd"][0][3].as_str(), Some("--no-block"));
         assert!(doc["bootcmd"][0][2]

@@ -761,6 +761,12 @@ pub async fn run(
         query_other_jobs: cfg.jobs.query_other_jobs,
         operators: cfg.jobs.operators.clone(),
     })
+    .with_pool_limits(
+        cfg.pools
+            .iter()
+            .map(|(name, pool)| vq_common::pools::PoolLimits::of(name, pool))
+            .collect(),
+    )
     .with_metrics(metrics.clone())
     .without_demand();
     let interval = Duration::from_secs_f64(cfg.interval_secs);

@@ -76,6 +76,9 @@ pub struct Broker {
     /// Who sees which job in `vq stat`'s queries; `None`: queries are not
     /// answered (no table).
     job_queries: Option<Arc<vq_common::jobs::Visibility>>,
+    /// The pools' limits that `vq submit`'s questions are answered with
+    /// (with the job queries; empty: every pool is unknown to the asker).
+    pool_limits: Arc<Vec<vq_common::pools::PoolLimits>>,
     /// Whether this controller consumes `<c>.demand` (the leader only:
     /// the queue is single-active-consumer, and a standby holding the
     /// active slot would take the leader's bridge demand).
@@ -105,6 +108,7 @@ impl Broker {
             connected_once: AtomicBool::new(false),
             jobs: None,
             job_queries: None,
+            pool_limits: Arc::new(Vec::new()),
             demand_on: AtomicBool::new(true),
         }
     }
@@ -161,6 +165,14 @@ impl Broker {
     /// ([`crate::jobs::queries`]) in every session.
     pub fn with_job_queries(mut self, vis: vq_common::jobs::Visibility) -> Self {
         self.job_queries = Some(Arc::new(vis));
+        self
+    }
+
+    /// Answers `vq submit`'s questions for the pools' limits (`<c>.query.pools`,
+    /// [`vq_common::pools`]) with `limits`, on the consumer of the job
+    /// queries ([`Broker::with_job_queries`]).
+    pub fn with_pool_limits(mut self, limits: Vec<vq_common::pools::PoolLimits>) -> Self {
+        self.pool_limits = Arc::new(limits);
         self
     }
 
@@ -274,13 +286,14 @@ impl Broker {
                     &self.topo,
                     jobs.clone(),
                     vis.clone(),
+                    self.pool_limits.clone(),
                 )
                 .await
                 {
                     Ok(task) => tasks.push(task),
                     Err(e) => tracing::warn!(
                         error = %vq_common::error::chain(&e),
-                        "job queries (vq stat) are not answered in this session"
+                        "job queries (vq stat, vq cancel, vq submit's pool limits) are not answered in this session"
                     ),
                 }
             }

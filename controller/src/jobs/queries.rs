@@ -17,6 +17,11 @@
 //! controller, leader or standby, answers: a withdrawal is idempotent
 //! (the same marker, the same event `message_id`).
 //!
+//! `vq submit`'s question for the pools' limits (key `<c>.query.pools`,
+//! [`vq_common::pools`]) comes through the same consumer too and gets a
+//! [`PoolsPage`] of every configured pool's limits, whoever asks (limits
+//! are not secret).
+//!
 //! The consumer runs apart from the reconcile cycle and holds the table's
 //! read lock only while it copies out one page.
 
@@ -30,6 +35,7 @@ use vq_common::jobs::cancel::{self, CancelAnswer, CancelStep, WITHDRAWN_AGENT, W
 use vq_common::jobs::{answer, JobPage, JobRecord, Visibility};
 use vq_common::lease::Marker;
 use vq_common::messages::{JobEvent, JobState, Message};
+use vq_common::pools::{self, PoolLimits, PoolsPage};
 use vq_common::topology::{job_event_key, Topology};
 
 use super::feed::SharedJobs;
@@ -39,7 +45,8 @@ use super::feed::SharedJobs;
 /// out and says so).
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Starts answering queries on `conn` from `jobs` with the rule `vis`.
+/// Starts answering queries on `conn` from `jobs` with the rule `vis`,
+/// and questions for the pools' limits with `limits`.
 ///
 /// # Errors
 /// [`AmqpError`] if the channel, the queue, its binding or the consumer
@@ -49,15 +56,17 @@ pub async fn start(
     topo: &Topology,
     jobs: SharedJobs,
     vis: Arc<Visibility>,
+    limits: Arc<Vec<PoolLimits>>,
 ) -> Result<tokio::task::JoinHandle<()>, AmqpError> {
     let ch = amqp::confirm_channel(&conn).await?;
     let key = topo.job_query_key();
     let cancel_key = topo.cancel_query_key();
+    let pools_key = topo.pool_query_key();
     let consumer = amqp::subscribe(
         &ch,
         "",
         &topo.control_exchange(),
-        &[key.as_str(), cancel_key.as_str()],
+        &[key.as_str(), cancel_key.as_str(), pools_key.as_str()],
         "vq-controller-queries",
     )
     .await?;
@@ -68,6 +77,7 @@ pub async fn start(
         topo: topo.clone(),
         jobs,
         vis,
+        limits,
     };
     Ok(tokio::spawn(answerer.serve(consumer)))
 }
@@ -89,11 +99,13 @@ struct Answerer {
     topo: Topology,
     jobs: SharedJobs,
     vis: Arc<Visibility>,
+    limits: Arc<Vec<PoolLimits>>,
 }
 
 impl Answerer {
     async fn serve(mut self, mut consumer: lapin::Consumer) {
         let cancel_key = self.topo.cancel_query_key();
+        let pools_key = self.topo.pool_query_key();
         while let Some(delivery) = consumer.next().await {
             let delivery = match delivery {
                 Ok(d) => d,
@@ -115,9 +127,19 @@ impl Answerer {
                 continue;
             }
             let user_id = props.user_id().as_ref().map(|u| u.to_string());
-            let (body, kind) = if delivery.routing_key.as_str() == cancel_key {
+            let key = delivery.routing_key.as_str();
+            let (body, kind) = if key == cancel_key {
                 let answer = self.cancel(user_id.as_deref(), &delivery.data).await;
                 (answer.encode(), CancelAnswer::KIND)
+            } else if key == pools_key {
+                let page = pools::answer(&self.limits, &delivery.data);
+                tracing::debug!(
+                    requester = user_id.as_deref().unwrap_or("-"),
+                    pools = page.pools.len(),
+                    error = page.error.as_deref().unwrap_or(""),
+                    "pools query answered"
+                );
+                (page.encode(), PoolsPage::KIND)
             } else {
                 let page = self.page(user_id.as_deref(), &delivery.data);
                 (page.encode(), JobPage::KIND)
