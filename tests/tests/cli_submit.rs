@@ -2,7 +2,8 @@
 //! cluster name: `vq` logs in as the suite's submitter, the test declares
 //! the topology as the controller does (the suite's controller account) and
 //! plays the agent with the agent account (it takes the job from the pool
-//! queue and publishes the job events an agent would).
+//! queue and publishes the job events an agent would). One test runs a
+//! controller (on an empty vq-cloudsim) for the pools' limits it publishes.
 //!
 //! Root (rabbitmqctl creates the broker accounts): `cargo test -p vq-tests
 //! --test cli_submit -- --include-ignored`.
@@ -571,9 +572,20 @@ async fn a_queued_job_is_in_stat_before_it_starts_and_submitters_cannot_forge_re
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    // Nothing on stderr: no warning, no library log line.
-    assert!(stderr.is_empty(), "{stderr}");
     let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    // No controller runs: one warning that the pool's limits were not
+    // checked, and no library log line.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "vq: warning: job {id} was not checked against pool p1's limits"
+        )) && stderr.contains(&format!(
+            "no controller is listening on {}.control (key {}.query.pools)",
+            topo.cluster(),
+            topo.cluster()
+        )),
+        "{stderr}"
+    );
 
     // No agent has it: `vq stat` shows it queued, `vq stat ID` finds it.
     let line = stat_line(topo.cluster(), &id);
@@ -685,4 +697,164 @@ async fn a_queued_job_is_in_stat_before_it_starts_and_submitters_cannot_forge_re
 
     std::fs::remove_dir_all(Path::new(&dir)).unwrap();
     sides.cleanup().await;
+}
+
+/// `vq submit -q POOL ARGS` of a one-line script on stdin, as the suite's
+/// submitter.
+fn submit_stdin(cluster: &str, args: &[&str]) -> std::process::Output {
+    vq(cluster)
+        .arg("submit")
+        .args(args)
+        .arg("-")
+        .current_dir(std::env::temp_dir())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b"true\n")?;
+            c.wait_with_output()
+        })
+        .unwrap()
+}
+
+/// A controller publishes its pools' limits (`slots`, `max_walltime_secs`,
+/// `memory_mb`); `vq submit` asks for them first and refuses a job that
+/// no VM of the pool could run, one line per limit, exit 64, publishing
+/// nothing; a job within them is queued with nothing on stderr; an
+/// unknown pool is listed against the controller's pools (issue 11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_nothing() {
+    if !require_root() {
+        return;
+    }
+    const POOL: &str = "lim";
+    build_bin("vq-cli", "vq").unwrap();
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await.unwrap();
+    let topo = broker.topo.clone();
+    let mut tap = broker.tap_events().await.unwrap();
+    let suite = vq_tests::accounts::suite();
+    let url = shared_broker().unwrap().url_of(&suite.controller);
+    let _ctl = vq_tests::harness::start_controller_on_empty_cloud_with(
+        &url,
+        &cluster,
+        POOL,
+        "info",
+        "127.0.0.1:0",
+        "slots = 2\nmax_walltime_secs = 3600\nmemory_mb = 1024\n",
+    )
+    .await
+    .unwrap();
+
+    // The controller answers once its broker session is up.
+    let settings = vq_cli::settings::Settings {
+        broker: vq_common::config::BrokerConfig {
+            url: broker_url(Role::Submitter).unwrap(),
+            ..Default::default()
+        },
+        cluster: cluster.clone(),
+        controller_url: "http://127.0.0.1:1".into(),
+    };
+    let (conn, _ch) = submitter().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let page = loop {
+        match vq_cli::limits::ask(&conn, &settings, Duration::from_secs(2)).await {
+            vq_cli::limits::Limits::Known(page) => break page,
+            vq_cli::limits::Limits::Unchecked(why) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the controller never answered: {why}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let _ = conn.close(200, "bye".into()).await;
+    assert_eq!(
+        page.pools,
+        [vq_common::pools::PoolLimits {
+            pool: POOL.into(),
+            slots: 2,
+            max_walltime_secs: 3600,
+            memory_mb: Some(1024),
+        }]
+    );
+
+    // Beyond each limit: refused, with the reason, nothing on stdout.
+    for (args, reasons) in [
+        (
+            vec!["-l", "walltime=02:00:00"],
+            vec![format!(
+                "vq: walltime 02:00:00 is more than pool {POOL}'s max_walltime 01:00:00"
+            )],
+        ),
+        (
+            vec!["-l", "nodes=1:ppn=4"],
+            vec![format!(
+                "vq: 4 slots (nodes=1:ppn, ncpus) are more than pool {POOL}'s VMs have (2 slots)"
+            )],
+        ),
+        (
+            vec!["-l", "mem=2gb"],
+            vec![format!(
+                "vq: mem 2gb is more than pool {POOL}'s memory per VM 1gb"
+            )],
+        ),
+        (
+            vec!["-l", "walltime=3601,ncpus=3"],
+            vec![
+                format!("vq: walltime 01:00:01 is more than pool {POOL}'s max_walltime 01:00:00"),
+                format!(
+                    "vq: 3 slots (nodes=1:ppn, ncpus) are more than pool {POOL}'s VMs have (2 slots)"
+                ),
+            ],
+        ),
+    ] {
+        let mut all = vec!["-q", POOL];
+        all.extend(&args);
+        let out = submit_stdin(&cluster, &all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().collect::<Vec<_>>(), reasons, "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+
+    // Within every limit (at each limit exactly): queued, nothing said.
+    let out = submit_stdin(
+        &cluster,
+        &["-q", POOL, "-l", "walltime=01:00:00,nodes=1:ppn=2,mem=1gb"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    // Nothing of the refused jobs was published: the accepted job's
+    // `queued` event is the only one (the refused commands ended before
+    // it was submitted), and it is the one message of the pool queue.
+    tap.job_event(&id, "queued", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let queued: Vec<_> = tap
+        .seen
+        .iter()
+        .filter(|(k, _)| k.ends_with(".queued"))
+        .map(|(_, v)| v["job_id"].clone())
+        .collect();
+    assert_eq!(queued, [serde_json::Value::from(id.clone())]);
+    assert_eq!(broker.queue_len(&topo.pool_queue(POOL)).await.unwrap(), 1);
+
+    // An unknown pool: one line, naming the controller's pools.
+    let out = submit_stdin(&cluster, &["-q", "nope"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("no pool named \"nope\"") && stderr.contains(&format!("pools: {POOL}")),
+        "{stderr}"
+    );
+
+    broker.cleanup().await;
 }

@@ -1,7 +1,9 @@
 //! vq end to end on one machine: PBS scripts submitted with `vq submit` by
 //! an unprivileged user, the pool scales up on vq-cloudsim, the jobs run as
 //! their owner through the production controller and jobagent binaries, the
-//! pool scales back to zero.
+//! pool scales back to zero. The agents run the pool's slots (the image's
+//! config says otherwise) and `vq submit` refuses a walltime above the
+//! pool's maximum.
 //!
 //! Root only (the agent switches users): `cargo test -p vq-tests --test
 //! end_to_end -- --include-ignored`.
@@ -74,7 +76,7 @@ async fn pbs_jobs_scale_a_pool_up_run_as_their_owner_and_the_pool_returns_to_zer
     std::fs::write(
         &agent_cfg,
         format!(
-            "cluster = \"{cluster}\"\nslots = 2\nheartbeat_secs = 0.5\nmin_uid = 1000\ncontrol_admins = [\"{c}\"]\n[submitters]\nsame_name = true\nrequeuers = [\"{c}\"]\n",
+            "cluster = \"{cluster}\"\nslots = 1\nheartbeat_secs = 0.5\nmin_uid = 1000\ncontrol_admins = [\"{c}\"]\n[submitters]\nsame_name = true\nrequeuers = [\"{c}\"]\n",
             c = controller_account.user
         ),
     )?;
@@ -107,6 +109,7 @@ agent_broker_url = "{agent_url}"
 min = 0
 max = 2
 slots = 2
+max_walltime_secs = 600
 boot_timeout_secs = 60
 idle_secs = 2
 cooldown_secs = 1
@@ -208,6 +211,44 @@ cooldown_secs = 1
             "unexpected output of {name}: {text}"
         );
     }
+
+    // The image's config says `slots = 1`; the agents run the pool's 2,
+    // from the identity file the controller wrote (issue 11: agents and
+    // controller never disagree).
+    let beats: Vec<_> = tap
+        .seen
+        .iter()
+        .filter(|(k, _)| k == &format!("agent.{POOL}.heartbeat"))
+        .map(|(_, v)| v["slots"].as_u64())
+        .collect();
+    ensure!(
+        !beats.is_empty() && beats.iter().all(|s| *s == Some(2)),
+        "heartbeats must carry the pool's 2 slots: {beats:?}"
+    );
+
+    // The controller publishes the pool's max walltime (600 s): vq submit
+    // refuses a job above it before anything is queued.
+    write_script(
+        &jobdir,
+        "toolong",
+        &format!("#!/bin/bash\n#PBS -q {POOL}\n#PBS -l walltime=01:00:00\ntrue\n"),
+    )?;
+    let out = Command::new("runuser")
+        .args(["-u", &alice.name, "--"])
+        .arg(&vq_bin)
+        .args(["--cluster", &cluster, "submit", "toolong.pbs"])
+        .current_dir(&jobdir)
+        .env("VQ_BROKER_URL", &submit_url)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(64)
+            && out.stdout.is_empty()
+            && stderr.trim()
+                == format!("vq: walltime 01:00:00 is more than pool {POOL}'s max_walltime 00:10:00"),
+        "vq submit of a job above the pool's max walltime: {:?} {stderr}",
+        out.status
+    );
 
     // Back to zero VMs, without a failed job and without running a job twice.
     let deadline = Instant::now() + Duration::from_secs(60);
