@@ -237,7 +237,8 @@ mod tests {
         // A bad default is still reported as the config's problem.
         let err = load("default_walltime_secs = \"long\"\n", id).unwrap_err();
         assert!(
-            err.to_string().contains("default_walltime_secs: expected an integer"),
+            err.to_string()
+                .contains("default_walltime_secs: expected an integer"),
             "{err}"
         );
     }

@@ -245,7 +245,9 @@ cooldown_secs = 1
         out.status.code() == Some(64)
             && out.stdout.is_empty()
             && stderr.trim()
-                == format!("vq: walltime 01:00:00 is more than pool {POOL}'s max_walltime 00:10:00"),
+                == format!(
+                    "vq: walltime 01:00:00 is more than pool {POOL}'s max_walltime 00:10:00"
+                ),
         "vq submit of a job above the pool's max walltime: {:?} {stderr}",
         out.status
     );

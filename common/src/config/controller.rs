@@ -481,7 +481,10 @@ mod tests {
             "the agents' default of 31 days, no memory check"
         );
         let pool = check("max_walltime_secs = 86400\nmemory_mb = 4096").unwrap();
-        assert_eq!((pool.max_walltime_secs, pool.memory_mb), (86_400, Some(4096)));
+        assert_eq!(
+            (pool.max_walltime_secs, pool.memory_mb),
+            (86_400, Some(4096))
+        );
         let err = check("max_walltime_secs = 0\nmemory_mb = 0\nslots = 0").unwrap_err();
         for needle in [
             "pools.cms.max_walltime_secs: 0 is out of range 1..=316224000",

@@ -343,7 +343,14 @@ fn multi_node_and_multi_chunk_requests_are_refused_with_a_reason() {
 
 #[test]
 fn sizes_follow_torques_size_format() {
-    for (bytes, text) in [(4u64 << 30, "4gb"), (1536, "1536b"), (3 << 20, "3mb"), (1 << 40, "1tb"), (2048, "2kb"), (7, "7b")] {
+    for (bytes, text) in [
+        (4u64 << 30, "4gb"),
+        (1536, "1536b"),
+        (3 << 20, "3mb"),
+        (1 << 40, "1tb"),
+        (2048, "2kb"),
+        (7, "7b"),
+    ] {
         assert_eq!(format_size(bytes), text);
         assert_eq!(parse_size(text), Ok(bytes), "{text} reads back");
     }
