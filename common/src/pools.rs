@@ -2,7 +2,8 @@
 //! rule that refuses a job larger than its pool (issue 11, "Resources").
 //!
 //! The controller is the one owner of a pool's limits: its `[pools.<name>]`
-//! keys `slots`, `max_walltime_secs` and `memory_mb` ([`PoolLimits::of`]).
+//! keys `slots`, `max_walltime_secs` and `memory_mb` (else the flavor's
+//! RAM; [`PoolLimits::of`]).
 //! It gives the first two to every agent it boots (the identity file,
 //! [`crate::config::AgentIdentity`]), so that agents refuse exactly what
 //! the controller says, and it answers [`PoolQuery`]s with a
@@ -60,20 +61,24 @@ pub struct PoolLimits {
     /// `resources_max.walltime`; the agents' `max_walltime_secs`).
     pub max_walltime_secs: u64,
     /// Memory of each VM for jobs, MiB (`-l mem` above it can run
-    /// nowhere); `None`: not published, not checked at submit (the agent
-    /// still refuses a job larger than its VM's memory).
+    /// nowhere): the pool's `memory_mb`, else its flavor's RAM; `None`:
+    /// unknown, not checked at submit (the agent still refuses a job larger
+    /// than its VM's memory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
 }
 
 impl PoolLimits {
-    /// The limits of pool `name` configured as `cfg`.
-    pub fn of(name: &str, cfg: &PoolConfig) -> PoolLimits {
+    /// The limits of pool `name` configured as `cfg`, whose flavor has
+    /// `flavor_ram_mb` of RAM if the controller could read it: the memory
+    /// per VM is `cfg.memory_mb`, else the flavor's RAM (a bound the VM's
+    /// usable memory is always under).
+    pub fn of(name: &str, cfg: &PoolConfig, flavor_ram_mb: Option<u64>) -> PoolLimits {
         PoolLimits {
             pool: name.to_string(),
             slots: cfg.slots,
             max_walltime_secs: cfg.max_walltime_secs,
-            memory_mb: cfg.memory_mb,
+            memory_mb: cfg.memory_mb.or(flavor_ram_mb),
         }
     }
 
@@ -235,6 +240,23 @@ mod tests {
         assert_eq!(all.len(), 3, "{all:?}");
         assert!(all[0].starts_with("walltime 24:00:01"), "{all:?}");
         assert!(all[2].contains("mem 8gb"), "{all:?}");
+    }
+
+    #[test]
+    fn memory_per_vm_is_the_configured_one_else_the_flavors_ram() {
+        let mut cfg = PoolConfig {
+            slots: 4,
+            max_walltime_secs: 600,
+            ..PoolConfig::default()
+        };
+        let l = PoolLimits::of("p", &cfg, Some(2048));
+        assert_eq!(
+            (l.slots, l.max_walltime_secs, l.memory_mb),
+            (4, 600, Some(2048))
+        );
+        assert_eq!(PoolLimits::of("p", &cfg, None).memory_mb, None);
+        cfg.memory_mb = Some(1500);
+        assert_eq!(PoolLimits::of("p", &cfg, Some(2048)).memory_mb, Some(1500));
     }
 
     #[test]

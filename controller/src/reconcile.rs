@@ -696,6 +696,48 @@ impl Default for RunOptions {
     }
 }
 
+/// Bound of reading the flavors' RAM at start ([`pool_limits`]).
+pub const FLAVOR_RAM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The limits every pool publishes ([`vq_common::pools`]); a pool without
+/// `memory_mb` publishes its flavor's RAM, read once here if the cloud
+/// answered the start's version check (`cloud_answered`), within
+/// [`FLAVOR_RAM_TIMEOUT`]. If the flavors cannot be read now, such pools
+/// publish no memory per VM until the controller restarts (the agents still
+/// refuse a job larger than their VM), and the log says so.
+async fn pool_limits(
+    cfg: &ControllerConfig,
+    cloud: &HttpCloud,
+    cloud_answered: bool,
+) -> Vec<vq_common::pools::PoolLimits> {
+    let wanted = cfg.pools.values().any(|p| p.memory_mb.is_none());
+    if wanted && !cloud_answered {
+        tracing::warn!("the cloud did not answer at start: pools without memory_mb publish no memory per VM (vq submit does not check -l mem)");
+    }
+    let flavors = if wanted && cloud_answered {
+        match tokio::time::timeout(FLAVOR_RAM_TIMEOUT, cloud.list_flavor_ram()).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %vq_common::error::chain(&e), "cannot read the flavors' RAM: pools without memory_mb publish no memory per VM (vq submit does not check -l mem)");
+                Vec::new()
+            }
+            Err(_) => {
+                tracing::warn!(secs = FLAVOR_RAM_TIMEOUT.as_secs(), "the flavors' RAM was not read in time: pools without memory_mb publish no memory per VM (vq submit does not check -l mem)");
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    cfg.pools
+        .iter()
+        .map(|(name, pool)| {
+            let ram = crate::openstack::inventory::flavor_ram(&flavors, &pool.flavor);
+            vq_common::pools::PoolLimits::of(name, pool, ram)
+        })
+        .collect()
+}
+
 /// Runs the controller until `shutdown` is cancelled (or one cycle with
 /// `once`) with `creds` (found and checked once, in the configuration
 /// round, [`Credentials::discover`]): the status endpoint on
@@ -732,14 +774,24 @@ pub async fn run(
     // A cloud older than vq needs would answer every request 406 (or, below
     // 2.52 requested, list nothing vq booted): refuse to start. A cloud
     // that cannot be read now is checked again when it answers 406.
-    tokio::select! {
+    let cloud_answered = tokio::select! {
         checked = cloud.check_compute_version() => match checked {
-            Ok(v) => tracing::info!(min = %v.min, max = %v.max, requested = %cloud.microversion(), "compute API microversions"),
+            Ok(v) => {
+                tracing::info!(min = %v.min, max = %v.max, requested = %cloud.microversion(), "compute API microversions");
+                true
+            }
             Err(e @ CloudError::Microversion { .. }) => return Err(RunError::Cloud(e)),
-            Err(e) => tracing::warn!(error = %e, cause = ?std::error::Error::source(&e).map(|s| s.to_string()), "cannot read the compute API's version document now; it is read again when a request is answered 406"),
+            Err(e) => {
+                tracing::warn!(error = %e, cause = ?std::error::Error::source(&e).map(|s| s.to_string()), "cannot read the compute API's version document now; it is read again when a request is answered 406");
+                false
+            }
         },
         _ = shutdown.cancelled() => return Ok(()),
-    }
+    };
+    let limits = tokio::select! {
+        l = pool_limits(&cfg, &cloud, cloud_answered) => l,
+        _ = shutdown.cancelled() => return Ok(()),
+    };
     let token =
         match cfg.jobs.api_token_file.as_deref() {
             None => None,
@@ -761,12 +813,7 @@ pub async fn run(
         query_other_jobs: cfg.jobs.query_other_jobs,
         operators: cfg.jobs.operators.clone(),
     })
-    .with_pool_limits(
-        cfg.pools
-            .iter()
-            .map(|(name, pool)| vq_common::pools::PoolLimits::of(name, pool))
-            .collect(),
-    )
+    .with_pool_limits(limits)
     .with_metrics(metrics.clone())
     .without_demand();
     let interval = Duration::from_secs_f64(cfg.interval_secs);

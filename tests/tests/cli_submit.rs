@@ -732,7 +732,9 @@ async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_no
     const POOL: &str = "lim";
     build_bin("vq-cli", "vq").unwrap();
     let cluster = unique_cluster();
-    let broker = TestBroker::connect(&cluster, &[POOL]).await.unwrap();
+    // A second pool, without memory_mb, publishes its flavor's RAM.
+    const BIG: &str = "big";
+    let broker = TestBroker::connect(&cluster, &[POOL, BIG]).await.unwrap();
     let topo = broker.topo.clone();
     let mut tap = broker.tap_events().await.unwrap();
     let suite = vq_tests::accounts::suite();
@@ -743,7 +745,11 @@ async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_no
         POOL,
         "info",
         "127.0.0.1:0",
-        "slots = 2\nmax_walltime_secs = 3600\nmemory_mb = 1024\n",
+        &format!(
+            "slots = 2\nmax_walltime_secs = 3600\nmemory_mb = 1024\n\
+             [pools.{BIG}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{}\"\nmax = 0\nslots = 8\n",
+            suite.agent.url(&url)
+        ),
     )
     .await
     .unwrap();
@@ -774,12 +780,21 @@ async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_no
     let _ = conn.close(200, "bye".into()).await;
     assert_eq!(
         page.pools,
-        [vq_common::pools::PoolLimits {
-            pool: POOL.into(),
-            slots: 2,
-            max_walltime_secs: 3600,
-            memory_mb: Some(1024),
-        }]
+        [
+            vq_common::pools::PoolLimits {
+                pool: BIG.into(),
+                slots: 8,
+                max_walltime_secs: 31 * 24 * 3600,
+                memory_mb: Some(2048),
+            },
+            vq_common::pools::PoolLimits {
+                pool: POOL.into(),
+                slots: 2,
+                max_walltime_secs: 3600,
+                memory_mb: Some(1024),
+            }
+        ],
+        "{BIG}'s memory is m1.small's RAM, its max walltime the default 31 days"
     );
 
     // Beyond each limit: refused, with the reason, nothing on stdout.
@@ -820,6 +835,13 @@ async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_no
         assert_eq!(stderr.lines().collect::<Vec<_>>(), reasons, "{args:?}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
+    let out = submit_stdin(&cluster, &["-q", BIG, "-l", "mem=3gb"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        format!("vq: mem 3gb is more than pool {BIG}'s memory per VM 2gb")
+    );
 
     // Within every limit (at each limit exactly): queued, nothing said.
     let out = submit_stdin(
@@ -852,7 +874,8 @@ async fn submit_refuses_a_job_beyond_its_pools_published_limits_and_publishes_no
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
-        stderr.contains("no pool named \"nope\"") && stderr.contains(&format!("pools: {POOL}")),
+        stderr.contains("no pool named \"nope\"")
+            && stderr.contains(&format!("pools: {BIG}, {POOL}")),
         "{stderr}"
     );
 

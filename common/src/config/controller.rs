@@ -52,8 +52,9 @@ pub struct PoolConfig {
     pub max_walltime_secs: u64,
     /// Memory of each VM for jobs, MiB (at most the flavor's RAM): `vq
     /// submit` refuses a job whose `-l mem` is above it. `None` (the
-    /// default): not checked at submit; the agent still refuses a job
-    /// asking more memory than its VM has.
+    /// default): the flavor's RAM, as the controller reads it from Nova at
+    /// start (not checked at submit if it cannot); the agent still refuses
+    /// a job asking more memory than its VM has.
     pub memory_mb: Option<u64>,
     /// Seconds a server may take from create to its agent's first heartbeat.
     pub boot_timeout_secs: u64,

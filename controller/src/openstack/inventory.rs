@@ -118,6 +118,35 @@ impl HttpCloud {
         named_list(op, &v, "flavors", None)
     }
 
+    /// Every flavor the project may use with its RAM, MiB (`GET
+    /// /flavors/detail?is_public=None`; a flavor without a `ram` number
+    /// is left out).
+    ///
+    /// # Errors
+    /// [`CloudError`] if the list cannot be read.
+    pub async fn list_flavor_ram(&self) -> Result<Vec<(Named, u64)>, CloudError> {
+        let op = "GET /flavors/detail";
+        let v = self
+            .get_json(
+                op,
+                |s| Some(format!("{}/flavors/detail?is_public=None", s.compute)),
+                "compute",
+            )
+            .await?;
+        let named = named_list(op, &v, "flavors", None)?;
+        let rams = v["flavors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|f| f.get("name").and_then(Value::as_str).is_some())
+            .map(|f| f.get("ram").and_then(Value::as_u64));
+        Ok(named
+            .into_iter()
+            .zip(rams)
+            .filter_map(|(n, ram)| Some((n, ram?)))
+            .collect())
+    }
+
     /// The active images the project sees (Glance v2, up to 1000).
     ///
     /// # Errors
@@ -191,5 +220,48 @@ impl HttpCloud {
             )
             .await?;
         named_list(op, &v, "security_groups", None)
+    }
+}
+
+/// The RAM, MiB, of the flavor `wanted` (an id, else a name that only one
+/// flavor has) among `flavors` ([`HttpCloud::list_flavor_ram`]); `None`
+/// if no flavor, or more than one, answers to it.
+pub fn flavor_ram(flavors: &[(Named, u64)], wanted: &str) -> Option<u64> {
+    if let Some((_, ram)) = flavors.iter().find(|(f, _)| f.id == wanted) {
+        return Some(*ram);
+    }
+    let mut named = flavors.iter().filter(|(f, _)| f.name == wanted);
+    match (named.next(), named.next()) {
+        (Some((_, ram)), None) => Some(*ram),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flavors_ram_is_found_by_id_or_by_a_unique_name() {
+        let f = |id: &str, name: &str, ram| {
+            (
+                Named {
+                    id: id.into(),
+                    name: name.into(),
+                },
+                ram,
+            )
+        };
+        let flavors = [
+            f("1", "m1.tiny", 512),
+            f("2", "m1.small", 2048),
+            f("3", "dup", 1),
+            f("4", "dup", 2),
+        ];
+        assert_eq!(flavor_ram(&flavors, "m1.small"), Some(2048));
+        assert_eq!(flavor_ram(&flavors, "1"), Some(512));
+        assert_eq!(flavor_ram(&flavors, "4"), Some(2));
+        assert_eq!(flavor_ram(&flavors, "dup"), None, "ambiguous");
+        assert_eq!(flavor_ram(&flavors, "x1.huge"), None);
     }
 }
