@@ -232,6 +232,23 @@ async fn unknown_pools_and_clusters_are_clear_errors() {
     .await
     .unwrap_err();
     assert!(matches!(err, CliError::NoSuchCluster { .. }), "{err:?}");
+    // The binary says so once (its question for the pools' limits found
+    // no cluster either, and adds nothing).
+    let out = vq(other.cluster())
+        .args(["submit", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b"true\n")?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("no cluster named"), "{stderr}");
 
     // The binary says the same and exits 64.
     let out = vq(topo.cluster())
