@@ -80,6 +80,8 @@ pub struct GlobalArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Submit a job script (qsub options and #PBS directives); prints the job id.
+    /// A job asking more than its pool's limits (walltime, slots, memory per VM,
+    /// as the controller publishes them) is refused, exit 64.
     Submit(Box<SubmitArgs>),
     /// Show jobs (from the controller's job table), like qstat.
     Stat(StatArgs),
@@ -134,7 +136,8 @@ pub struct SubmitArgs {
     /// Join stdout and stderr: oe, eo or n.
     #[arg(short = 'j', value_name = "oe|eo|n")]
     pub join: Option<String>,
-    /// Resources, e.g. walltime=01:00:00 (only walltime is enforced).
+    /// Resources, e.g. walltime=01:00:00,nodes=1:ppn=4,mem=4gb (enforced: walltime,
+    /// nodes=1:ppn, ncpus, mem, select=1:ncpus:mem; others are kept with a warning).
     #[arg(short = 'l', value_name = "RES=VAL[,..]")]
     pub resources: Vec<String>,
     /// Variables to export: VAR[=value][,..]; without a value, from this environment.
