@@ -443,6 +443,7 @@ mod tests {
                     status: "ACTIVE".into(),
                     agent_state: "busy".into(),
                     running: 2,
+                    jobs: vec!["17-a".into(), "18-b".into()],
                     slots: Some(2),
                     slots_mismatch: false,
                     age_secs: Some(192),
