@@ -71,6 +71,17 @@ pub enum CliError {
         /// (`None`: not asked or not reachable).
         known: Option<Vec<String>>,
     },
+    /// The controller's `/status` has no pool of this name (`vq nodes
+    /// POOL`).
+    #[error("no pool named {pool:?} on cluster {cluster:?}; {}", pools_hint(&Some(.known.clone())))]
+    UnknownPool {
+        /// Pool as given.
+        pool: String,
+        /// Cluster.
+        cluster: String,
+        /// The pools the controller's `/status` names, sorted.
+        known: Vec<String>,
+    },
     /// The cluster's exchanges do not exist on the broker.
     #[error("no cluster named {cluster:?} on the broker (exchange {exchange:?} does not exist); check --cluster, or start the controller, which declares it")]
     NoSuchCluster {
@@ -255,6 +266,7 @@ impl CliError {
             | CliError::Option(_)
             | CliError::Usage(_)
             | CliError::NoSuchPool { .. }
+            | CliError::UnknownPool { .. }
             | CliError::NoSuchCluster { .. }
             | CliError::NoSuchAgent { .. }
             | CliError::UnknownJob { .. }
