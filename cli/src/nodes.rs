@@ -269,20 +269,59 @@ mod tests {
         let cells = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
         assert_eq!(
             cells(lines[0]),
-            ["Server", "Pool", "Status", "Agent", "Jobs", "Age", "Heartbeat", "Drain", "reason"]
+            [
+                "Server",
+                "Pool",
+                "Status",
+                "Agent",
+                "Jobs",
+                "Age",
+                "Heartbeat",
+                "Drain",
+                "reason"
+            ]
         );
         assert_eq!(
             cells(lines[1]),
-            ["vq-cms-1a2b", "cms", "ACTIVE", "busy", "17-sim", "12m05s", "4s", "-"]
+            [
+                "vq-cms-1a2b",
+                "cms",
+                "ACTIVE",
+                "busy",
+                "17-sim",
+                "12m05s",
+                "4s",
+                "-"
+            ]
         );
         // More than JOB_IDS_SHOWN: a count.
         assert_eq!(
             cells(lines[2]),
-            ["vq-cms-3c4d", "cms", "ACTIVE", "draining", "3", "jobs", "1d01h", "2s", "kernel", "update"]
+            [
+                "vq-cms-3c4d",
+                "cms",
+                "ACTIVE",
+                "draining",
+                "3",
+                "jobs",
+                "1d01h",
+                "2s",
+                "kernel",
+                "update"
+            ]
         );
         assert_eq!(
             cells(lines[3]),
-            ["vq-cms-5e6f", "cms", "BUILD", "booting", "-", "12s", "-", "-"]
+            [
+                "vq-cms-5e6f",
+                "cms",
+                "BUILD",
+                "booting",
+                "-",
+                "12s",
+                "-",
+                "-"
+            ]
         );
         // An older controller without `jobs`: the count of `running`.
         assert!(lines[4].starts_with("vq-old-1"), "{text}");
@@ -290,7 +329,10 @@ mod tests {
         // Columns line up: every Status cell starts where the header's does.
         let col = lines[0].find("Status").unwrap();
         for l in &lines[1..] {
-            assert!(l[col..].starts_with("ACTIVE") || l[col..].starts_with("BUILD"), "{text}");
+            assert!(
+                l[col..].starts_with("ACTIVE") || l[col..].starts_with("BUILD"),
+                "{text}"
+            );
         }
     }
 
@@ -303,13 +345,16 @@ mod tests {
             render(&status(), Some("atlas"), false, "vq", "u").unwrap(),
             "no servers\n"
         );
-        let j: Value = serde_json::from_str(&render(&status(), Some("cms"), true, "vq", "u").unwrap()).unwrap();
+        let j: Value =
+            serde_json::from_str(&render(&status(), Some("cms"), true, "vq", "u").unwrap())
+                .unwrap();
         let list = j.as_array().unwrap();
         assert_eq!(list.len(), 3);
         assert_eq!(list[0]["pool"], "cms");
         assert_eq!(list[0]["jobs"], json!(["17-sim"]));
         assert_eq!(list[1]["drain_reason"], "kernel update");
-        let all: Value = serde_json::from_str(&render(&status(), None, true, "vq", "u").unwrap()).unwrap();
+        let all: Value =
+            serde_json::from_str(&render(&status(), None, true, "vq", "u").unwrap()).unwrap();
         assert_eq!(all.as_array().unwrap().len(), 4);
     }
 
@@ -333,6 +378,9 @@ mod tests {
         ]}}});
         let text = render(&st, None, false, "vq", "u").unwrap();
         assert_eq!(text.lines().count(), 2, "{text}");
-        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "{text:?}"
+        );
     }
 }

@@ -262,9 +262,23 @@ mod tests {
             "  atlas: boots held back: quota exhausted: 10/10 instances; 1 more VM(s) wanted, 0 allowed"
         );
         assert!(lines[4].starts_with("cms "), "{text}");
-        assert!(lines[5].starts_with("  Server ") && !lines[5].contains("Pool"), "{text}");
+        assert!(
+            lines[5].starts_with("  Server ") && !lines[5].contains("Pool"),
+            "{text}"
+        );
         let cells: Vec<&str> = lines[6].split_whitespace().collect();
-        assert_eq!(cells, ["vq-cms-1a2b", "ACTIVE", "busy", "17-sim", "1m01s", "3s", "-"]);
+        assert_eq!(
+            cells,
+            [
+                "vq-cms-1a2b",
+                "ACTIVE",
+                "busy",
+                "17-sim",
+                "1m01s",
+                "3s",
+                "-"
+            ]
+        );
         assert!(lines[7].ends_with("kernel update"), "{text}");
         assert_eq!(lines.len(), 8, "{text}");
         // Without -v: no server lines, the obstacle after the table.

@@ -170,7 +170,15 @@ async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::
     ensure!(lines.len() == 2, "one server expected:\n{text}");
     let header: Vec<&str> = lines[0].split_whitespace().collect();
     ensure!(
-        header.starts_with(&["Server", "Pool", "Status", "Agent", "Jobs", "Age", "Heartbeat"]),
+        header.starts_with(&[
+            "Server",
+            "Pool",
+            "Status",
+            "Agent",
+            "Jobs",
+            "Age",
+            "Heartbeat"
+        ]),
         "{text}"
     );
     let cells: Vec<&str> = lines[1].split_whitespace().collect();
@@ -245,7 +253,9 @@ async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::
         "the job's end",
         |p| {
             p["servers"][0]["agent_state"] == "idle"
-                && p["servers"][0]["jobs"].as_array().is_some_and(Vec::is_empty)
+                && p["servers"][0]["jobs"]
+                    .as_array()
+                    .is_some_and(Vec::is_empty)
         },
     )
     .await?;

@@ -580,7 +580,9 @@ async fn a_full_quota_and_an_unreachable_cloud_are_the_pool_s_obstacle_until_the
     };
     let shown = pools(&ctl)?;
     ensure!(
-        shown.contains(&format!("{POOL}: boots held back: quota exhausted: 0/0 instances;")),
+        shown.contains(&format!(
+            "{POOL}: boots held back: quota exhausted: 0/0 instances;"
+        )),
         "vq pools does not show the quota: {shown}"
     );
     // The cloud stops answering listings: the pool is not observed, and

@@ -19,12 +19,12 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
+use vq_common::topology::Role;
 use vq_tests::accounts;
 use vq_tests::harness::{
     job, require_root, shared_broker, start_controller_on_empty_cloud_at, unique_cluster,
     TestBroker,
 };
-use vq_common::topology::Role;
 use vq_tests::rabbit_node::{free_port, NodeOptions, RabbitNode};
 
 /// A TCP forwarder on a fixed local port that can be switched off (the
