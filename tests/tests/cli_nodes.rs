@@ -7,7 +7,7 @@
 //! its pool. Released, the job ends and the server shows no job.
 //!
 //! Root (rabbitmqctl creates the broker accounts, the job runs as
-//! `nobody`): `cargo test -p vq-tests --test cli_nodes -- --include-ignored
+//! the test user `vqt-alice`): `cargo test -p vq-tests --test cli_nodes -- --include-ignored
 //! --nocapture` (prints the commands' output).
 
 use std::process::{Command, Output};
@@ -18,7 +18,8 @@ use serde_json::Value;
 use vq_tests::accounts;
 use vq_tests::cloudsim::{Sim, SimConfig};
 use vq_tests::harness::{
-    build_bin, job, require_root, shared_broker, unique_cluster, ChildGuard, TestBroker,
+    build_bin, ensure_test_user, job, require_root, shared_broker, unique_cluster, ChildGuard,
+    TestBroker,
 };
 use vq_tests::rabbit_node::free_port;
 
@@ -76,7 +77,7 @@ async fn wait_pool(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root (rabbitmqctl, jobs run as nobody)"]
+#[ignore = "needs root (rabbitmqctl, a test user)"]
 async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::Result<()> {
     if !require_root() {
         return Ok(());
@@ -125,21 +126,21 @@ async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::
     let controller = ChildGuard::spawn(cmd)?;
 
     // A job that runs until the test creates its release file.
+    let alice = ensure_test_user("vqt-alice", 2001)?;
     let release = tmp.path().join("release");
     let tmp_mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
     std::fs::set_permissions(tmp.path(), tmp_mode)?;
     let mut j = job(
         POOL,
-        "nobody",
+        &alice.name,
         "held",
         &format!(
-            "while [ ! -e '{}' ]; do sleep 0.2; done\n",
+            "while [ ! -e '{}' ]; do sleep 0.2; done\necho released\n",
             release.display()
         ),
     );
-    j.workdir = Some("/tmp".into());
-    j.stdout = Some("/dev/null".into());
-    j.stderr = Some("/dev/null".into());
+    let out_file = alice.home.join(format!("held.o{}", j.seq()));
+    j.join = vq_common::messages::Join::Oe;
     broker.publish_job(&j).await?;
 
     let client = reqwest::Client::new();
@@ -155,7 +156,14 @@ async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::
             })
         },
     )
-    .await?;
+    .await
+    .with_context(|| {
+        format!(
+            "the job's output in {}: {:?}",
+            out_file.display(),
+            std::fs::read_to_string(&out_file)
+        )
+    })?;
     let server = p["servers"][0]["name"]
         .as_str()
         .context("server name")?
@@ -273,6 +281,10 @@ async fn vq_nodes_and_vq_pools_v_show_the_vm_its_agent_and_its_job() -> anyhow::
         "after the job: {}",
         out(&o)
     );
+
+    let output = std::fs::read_to_string(&out_file).unwrap_or_default();
+    ensure!(output == "released\n", "the job's output: {output:?}");
+    let _ = std::fs::remove_file(&out_file);
 
     drop(controller);
     sim.shutdown().await;
