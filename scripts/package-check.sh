@@ -163,7 +163,7 @@ check "vq.deb: no dependencies (static binary; empty Depends field)" lacks "$inf
 check "vq.deb: Breaks and Replaces vq-controller (<< 0.1.0-2), which shipped /usr/bin/vq" \
   eval 'has "$info" "^ Breaks: vq-controller \(<< 0\.1\.0-2\)$" && has "$info" "^ Replaces: vq-controller \(<< 0\.1\.0-2\)$"'
 check "vq.deb: /usr/bin/vq 0755 root" has "$list" '^-rwxr-xr-x (root/root|0/0) .* \./usr/bin/vq$'
-for f in man/man1/vq.1.gz man/man1/vq-submit.1.gz man/man1/vq-stat.1.gz man/man1/vq-drain.1.gz \
+for f in man/man1/vq.1.gz man/man1/vq-submit.1.gz man/man1/vq-stat.1.gz man/man1/vq-drain.1.gz man/man1/vq-nodes.1.gz \
          bash-completion/completions/vq zsh/vendor-completions/_vq fish/vendor_completions.d/vq.fish \
          doc/vq/examples/vq.toml doc/vq/changelog.Debian.gz doc/vq/copyright; do
   check "vq.deb: /usr/share/$f" has "$list" " \\./usr/share/$f\$"
@@ -177,7 +177,7 @@ gunzip -c <(dpkg-deb --fsys-tarfile "$DEB_CLI" | tar -xO ./usr/share/man/man1/vq
 # man_has FILE WORD...: every WORD (fixed text, roff escapes included) is in FILE.
 man_has() { local f=$1 w; shift; for w in "$@"; do grep -qF -- "$w" "$f" || return 1; done; }
 check "vq(1) documents the commands and the connection options" \
-  man_has "$WORK/vq.1" submit stat cancel pools drain '\-\-broker\-url' '\-\-cluster' '\-\-config'
+  man_has "$WORK/vq.1" submit stat cancel pools nodes drain '\-\-broker\-url' '\-\-cluster' '\-\-config'
 
 rpminfo=$(rpm -qip "$RPM_AGENT" 2>/dev/null)
 rpmfiles=$(rpm -qp --qf '[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} (%{FILEFLAGS:fflags}) %{FILENAMES}\n]' "$RPM_AGENT" 2>/dev/null)
@@ -255,9 +255,9 @@ check "vq --version names the commit (installed alone)" eval 'in_root vq --versi
 lists_commands() {
   local h c
   h=$(in_root vq --help) || return 1
-  for c in submit stat cancel pools drain; do has "$h" "^  $c " || return 1; done
+  for c in submit stat cancel pools nodes drain; do has "$h" "^  $c " || return 1; done
 }
-check "vq --help lists submit, stat, cancel, pools, drain" lists_commands
+check "vq --help lists submit, stat, cancel, pools, nodes, drain" lists_commands
 check "vq submit --help shows the qsub options" \
   eval 'h=$(in_root vq submit --help) && has "$h" "^  -N <NAME>" && has "$h" "--wait"'
 set +e

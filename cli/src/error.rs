@@ -81,6 +81,17 @@ pub enum CliError {
         /// ([`vq_common::pools::PoolLimits::refusals`]).
         refusals: Vec<String>,
     },
+    /// The controller's `/status` has no pool of this name (`vq nodes
+    /// POOL`).
+    #[error("no pool named {pool:?} on cluster {cluster:?}; {}", pools_hint(&Some(.known.clone())))]
+    UnknownPool {
+        /// Pool as given.
+        pool: String,
+        /// Cluster.
+        cluster: String,
+        /// The pools the controller's `/status` names, sorted.
+        known: Vec<String>,
+    },
     /// The cluster's exchanges do not exist on the broker.
     #[error("no cluster named {cluster:?} on the broker (exchange {exchange:?} does not exist); check --cluster, or start the controller, which declares it")]
     NoSuchCluster {
@@ -266,6 +277,7 @@ impl CliError {
             | CliError::Usage(_)
             | CliError::NoSuchPool { .. }
             | CliError::OverLimits { .. }
+            | CliError::UnknownPool { .. }
             | CliError::NoSuchCluster { .. }
             | CliError::NoSuchAgent { .. }
             | CliError::UnknownJob { .. }

@@ -1,5 +1,5 @@
 //! `vq-cli`: the `vq` user/admin CLI: `submit`, `stat`, `cancel`, `pools`,
-//! `drain`, `resume`.
+//! `nodes`, `drain`, `resume`.
 //!
 //! `vq submit` takes `qsub`'s options and `#PBS` directives, so Torque job
 //! scripts run unchanged. Exit codes: 0 success, 64 bad usage or input, 69
@@ -11,7 +11,8 @@
 //! exit codes; everything else is here so tests can call it: [`submit`]
 //! (building and publishing a job), [`limits`] (checking it against its
 //! pool's published limits first), [`events`] (reading and following job
-//! events), [`stat`], [`control`] (cancel, drain, resume), [`pools`], [`settings`]
+//! events), [`stat`], [`control`] (cancel, drain, resume), [`pools`],
+//! [`nodes`], [`settings`]
 //! (where to connect), [`term`] (the invoking user, terminal-safe text),
 //! [`usage`] (unknown options in words) and [`error`] (every error and its
 //! exit code).
@@ -20,6 +21,7 @@ pub mod control;
 pub mod error;
 pub mod events;
 pub mod limits;
+pub mod nodes;
 pub mod pools;
 pub mod reply;
 pub mod settings;
@@ -95,7 +97,20 @@ pub enum Command {
         timeout: f64,
     },
     /// Show pools: queued and running jobs, VMs and agents (from the controller).
-    Pools,
+    Pools {
+        /// Also each pool's VMs (as vq nodes), its obstacle and drain reasons.
+        #[arg(short = 'v', long = "verbose")]
+        verbose: bool,
+    },
+    /// Show every VM of the cluster (like pbsnodes): pool, Nova status, agent
+    /// state, jobs, age, last heartbeat, drain reason (from the controller).
+    Nodes {
+        /// Only this pool's VMs.
+        pool: Option<String>,
+        /// The servers as JSON (the controller's /status entries, with their pool).
+        #[arg(long = "json")]
+        json: bool,
+    },
     /// Admin: ask an agent to stop taking jobs and finish the running ones
     /// (like pbsnodes -o); prints the agent's answer.
     Drain(ToggleArgs),
@@ -316,7 +331,8 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
         Command::Cancel { job_id, timeout } => {
             control::run_cancel(&settings, &job_id, control::check_timeout(timeout)?).await
         }
-        Command::Pools => pools::run(&settings).await,
+        Command::Pools { verbose } => pools::run(&settings, verbose).await,
+        Command::Nodes { pool, json } => nodes::run(&settings, pool.as_deref(), json).await,
         Command::Drain(a) => toggle(&settings, control::Toggle::Drain, a).await,
         Command::Resume(a) => toggle(&settings, control::Toggle::Resume, a).await,
     }

@@ -34,6 +34,14 @@ fn num(v: &Value, path: &[&str]) -> String {
 /// Renders the pools table from a status document; `None` if the document
 /// has no `pools` object.
 pub fn render(status: &Value) -> Option<String> {
+    render_with(status, false)
+}
+
+/// [`render`], and with `verbose` (`vq pools -v`) each pool's line followed
+/// by its servers as in `vq nodes` ([`crate::nodes::server_table`],
+/// indented, with their drain reasons) and by the pool's last error and
+/// obstacle, instead of those coming after the table.
+pub fn render_with(status: &Value, verbose: bool) -> Option<String> {
     let pools = status.get("pools")?.as_object()?;
     if pools.is_empty() {
         return Some("no pools\n".into());
@@ -47,8 +55,12 @@ pub fn render(status: &Value) -> Option<String> {
         "Agents idle/busy/drain",
     ];
     let mut rows: Vec<[String; 6]> = Vec::new();
-    let mut errors = Vec::new();
+    let mut all_errors = Vec::new();
+    // Per pool (verbose): its server table and its error lines.
+    let mut details: Vec<String> = Vec::new();
     for (name, p) in pools {
+        let mut errors_of_pool = Vec::new();
+        let errors = &mut errors_of_pool;
         rows.push([
             name.clone(),
             num(p, &["queued"]),
@@ -73,6 +85,21 @@ pub fn render(status: &Value) -> Option<String> {
             };
             errors.push(format!("{name}: {heading}: {why}\n"));
         }
+        if verbose {
+            let servers = crate::nodes::servers(status, Some(name));
+            let mut d = if servers.is_empty() {
+                "  no servers\n".to_string()
+            } else {
+                crate::nodes::server_table(&servers, false, "  ")
+            };
+            for e in &errors_of_pool {
+                d.push_str("  ");
+                d.push_str(e);
+            }
+            details.push(d);
+        } else {
+            all_errors.append(&mut errors_of_pool);
+        }
     }
     let mut widths = header.map(str::len);
     for r in &rows {
@@ -93,10 +120,13 @@ pub fn render(status: &Value) -> Option<String> {
         s.trim_end().to_string() + "\n"
     };
     let mut out = line(&header);
-    for r in &rows {
+    for (i, r) in rows.iter().enumerate() {
         out.push_str(&line(&r.iter().map(String::as_str).collect::<Vec<_>>()));
+        if let Some(d) = details.get(i) {
+            out.push_str(d);
+        }
     }
-    for e in errors {
+    for e in all_errors {
         out.push_str(&e);
     }
     Some(out)
@@ -153,13 +183,13 @@ pub async fn fetch_status(settings: &Settings) -> Result<Value, CliError> {
     })
 }
 
-/// What `vq pools` does.
+/// What `vq pools` (`verbose`: `vq pools -v`) does.
 ///
 /// # Errors
 /// [`CliError`].
-pub async fn run(settings: &Settings) -> Result<i32, CliError> {
+pub async fn run(settings: &Settings, verbose: bool) -> Result<i32, CliError> {
     let status = fetch_status(settings).await?;
-    let table = render(&status).ok_or_else(|| CliError::ControllerAnswer {
+    let table = render_with(&status, verbose).ok_or_else(|| CliError::ControllerAnswer {
         url: format!("{}/status", settings.controller_url),
         problem: "no \"pools\" object".into(),
     })?;
@@ -206,6 +236,57 @@ mod tests {
             "no pools\n"
         );
     }
+    #[test]
+    fn verbose_lists_each_pools_servers_obstacle_and_drain_reasons_under_its_line() {
+        let status = serde_json::json!({
+            "cluster": "vq",
+            "pools": {
+                "atlas": {"queued": 3, "running": 0, "target": 1,
+                          "obstacle": "quota exhausted: 10/10 instances; 1 more VM(s) wanted, 0 allowed",
+                          "obstacle_kind": "quota", "servers": []},
+                "cms": {"queued": 0, "running": 1, "target": 2, "servers": [
+                    {"name": "vq-cms-1a2b", "status": "ACTIVE", "agent_state": "busy",
+                     "running": 1, "jobs": ["17-sim"], "age_secs": 61, "heartbeat_age_secs": 3},
+                    {"name": "vq-cms-3c4d", "status": "ACTIVE", "agent_state": "draining",
+                     "running": 0, "jobs": [], "age_secs": 70, "heartbeat_age_secs": 1,
+                     "drain_reason": "kernel update"}
+                ]}
+            }
+        });
+        let text = render_with(&status, true).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].starts_with("atlas "), "{text}");
+        assert_eq!(lines[2], "  no servers", "{text}");
+        assert_eq!(
+            lines[3],
+            "  atlas: boots held back: quota exhausted: 10/10 instances; 1 more VM(s) wanted, 0 allowed"
+        );
+        assert!(lines[4].starts_with("cms "), "{text}");
+        assert!(
+            lines[5].starts_with("  Server ") && !lines[5].contains("Pool"),
+            "{text}"
+        );
+        let cells: Vec<&str> = lines[6].split_whitespace().collect();
+        assert_eq!(
+            cells,
+            [
+                "vq-cms-1a2b",
+                "ACTIVE",
+                "busy",
+                "17-sim",
+                "1m01s",
+                "3s",
+                "-"
+            ]
+        );
+        assert!(lines[7].ends_with("kernel update"), "{text}");
+        assert_eq!(lines.len(), 8, "{text}");
+        // Without -v: no server lines, the obstacle after the table.
+        let short = render(&status).unwrap();
+        assert_eq!(short.lines().count(), 4, "{short}");
+        assert!(!short.contains("vq-cms-1a2b"));
+    }
+
     #[test]
     fn the_controllers_own_status_document_renders() {
         use vq_controller::status::{AgentCounts, PoolStatus, StatusReport, VmCounts};

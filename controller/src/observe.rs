@@ -81,6 +81,9 @@ pub struct AgentSeen {
     pub state: AgentState,
     /// Jobs running per the last heartbeat.
     pub running: u32,
+    /// Their job ids, per the last heartbeat (`running` of the
+    /// [`vq_common::messages::Heartbeat`]), in its order.
+    pub jobs: Vec<String>,
     /// Job slots per the last heartbeat.
     pub slots: u32,
     /// `is_del` in the last heartbeat.
@@ -130,6 +133,9 @@ pub struct Observed {
     /// Instances the quota still allows (shared by all pools); `None` =
     /// unlimited.
     pub quota_remaining: Option<u32>,
+    /// The project's quota as the cycle read it (before any pool booted),
+    /// for the planner's obstacle in words ([`crate::plan::quota_words`]).
+    pub quota: QuotaView,
     /// Seconds the controller has been receiving agent events without
     /// interruption: no agent is judged dead or missing before this reaches
     /// the heartbeat timeout.
@@ -151,6 +157,19 @@ pub struct Observed {
     /// What the pool's boot-failure backoff and circuit breaker let it
     /// boot ([`crate::breaker`]); set by the loop after observing.
     pub boot_gate: BootGate,
+}
+
+/// What a cycle learnt of the project's compute quota (Nova's absolute
+/// limits), shared by every pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum QuotaView {
+    /// Not read (tests, or an unlimited quota's absence of figures).
+    #[default]
+    Unknown,
+    /// The figures of the cycle's read.
+    Read(crate::openstack::Quota),
+    /// The read failed: its cause chain (the pools boot nothing).
+    Unreadable(String),
 }
 
 /// Demand older than this is ignored, seconds (as the demand queue's TTL).
@@ -192,6 +211,8 @@ pub struct PoolInputs<'a> {
     pub queue_depth: u64,
     /// See [`Observed::quota_remaining`].
     pub quota_remaining: Option<u32>,
+    /// See [`Observed::quota`].
+    pub quota: &'a QuotaView,
     /// See [`Observed::since_scale_down_secs`].
     pub since_scale_down_secs: Option<f64>,
     /// See [`Observed::since_boot_failure_secs`].
@@ -239,6 +260,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
                     heartbeat_age_secs: age(*at),
                     state: hb.state,
                     running: hb.running.len() as u32,
+                    jobs: hb.running.clone(),
                     slots: hb.slots,
                     is_del: hb.is_del,
                     idle_secs: hb.idle_secs,
@@ -272,6 +294,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
             .1
             .max(heartbeat_running.max(d_running)),
         quota_remaining,
+        quota: input.quota.clone(),
         listening_secs: clock.listening_secs,
         since_scale_down_secs: input.since_scale_down_secs,
         since_boot_failure_secs: input.since_boot_failure_secs,
@@ -419,10 +442,9 @@ pub struct World {
     /// Instances the quota allows at the start of the cycle (`None`:
     /// unlimited; `Some(0)` when it could not be read: boot nothing).
     pub quota_remaining: Option<u32>,
-    /// The instance quota in words, for the pools' obstacle when it holds
-    /// boots back ("10/10 instances used", "could not be read: …");
-    /// `None` when unlimited.
-    pub quota_note: Option<String>,
+    /// The quota's figures as read (or why they could not be), for the
+    /// pools' obstacle when it holds boots back.
+    pub quota: QuotaView,
     /// The event book at the cycle's instant.
     pub events: EventSnapshot,
     /// The cycle's clock.
@@ -502,12 +524,10 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
             return Err(NoWorld::Failed(ObserveError::Servers(e)));
         }
     };
-    let quota_note;
+    let quota;
     let quota_remaining = match cloud.quota().await {
         Ok(q) => {
-            quota_note = q
-                .max_instances
-                .map(|m| format!("{}/{m} instances used", q.used_instances));
+            quota = QuotaView::Read(q);
             metrics.quota(
                 "instances",
                 q.used_instances.into(),
@@ -522,10 +542,7 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
             metrics.cloud_errors.inc();
             metrics.quota_unknown();
             tracing::warn!(error = %e, "cannot read the instance quota; booting nothing this cycle");
-            quota_note = Some(format!(
-                "the quota could not be read: {}",
-                vq_common::error::chain(&e)
-            ));
+            quota = QuotaView::Unreadable(vq_common::error::chain(&e));
             Some(0)
         }
     };
@@ -541,7 +558,7 @@ pub async fn observe_world<C: CloudApi, B: BrokerApi>(
         servers,
         registered,
         quota_remaining,
-        quota_note,
+        quota,
         events,
         clock,
     })
@@ -617,6 +634,7 @@ pub async fn observe_pool<B: BrokerApi>(
         demand: world.events.demand.get(pool),
         queue_depth: depth,
         quota_remaining,
+        quota: &world.quota,
         since_scale_down_secs: since(&memory.last_scale_down),
         since_boot_failure_secs: since(&memory.last_boot_failure),
         unlisted_created,
@@ -655,6 +673,7 @@ mod tests {
             demand,
             queue_depth,
             quota_remaining,
+            quota: &QuotaView::Unknown,
             since_scale_down_secs: None,
             since_boot_failure_secs: None,
             unlisted_created: 0,
@@ -858,6 +877,7 @@ mod tests {
                 demand: None,
                 queue_depth: 0,
                 quota_remaining: None,
+                quota: &QuotaView::Unknown,
                 since_scale_down_secs: None,
                 since_boot_failure_secs: None,
                 unlisted_created: 0,

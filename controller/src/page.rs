@@ -8,7 +8,7 @@
 //! demand (queued, running), the target, the VM and agent counts, the
 //! pool's state in words ([`pool_state`]: observation failed, the
 //! obstacle, paused, booting N, …), every server (Nova status, agent
-//! state, jobs, age, last heartbeat), and finally the recent decisions
+//! state, jobs (their ids), age, last heartbeat), and finally the recent decisions
 //! with their reasons and the current errors.
 //!
 //! Every text taken from the report (pool and server names, error texts,
@@ -326,7 +326,7 @@ fn pool(h: &mut String, name: &str, p: &PoolStatus, blocked: Option<&str>, now: 
         for s in &p.servers {
             let _ = write!(
                 h,
-                "<tr><td title=\"{}\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td title=\"{}\">{}</td><td>{}</td><td>{}</td>{}<td>{}</td><td>{}</td></tr>",
                 escape(&s.id),
                 escape(&s.name),
                 escape(&s.status),
@@ -334,7 +334,7 @@ fn pool(h: &mut String, name: &str, p: &PoolStatus, blocked: Option<&str>, now: 
                     Some(r) => format!("{} ({})", escape(&s.agent_state), escape(r)),
                     None => escape(&s.agent_state),
                 },
-                s.running,
+                jobs_cell(s),
                 opt_secs(s.age_secs),
                 s.heartbeat_age_secs
                     .map_or_else(|| "–".into(), |a| format!("{} ago", duration(a))),
@@ -343,6 +343,27 @@ fn pool(h: &mut String, name: &str, p: &PoolStatus, blocked: Option<&str>, now: 
         h.push_str("</tbody></table></div>");
     }
     h.push_str("</article>\n");
+}
+
+/// At most this many job ids are written in a server's Jobs cell; more
+/// are shown as their count, with the ids in the cell's `title`.
+const JOB_IDS_SHOWN: usize = 2;
+
+/// A server's Jobs cell (`<td>…</td>`, escaped): its agent's job ids, or
+/// their count when more than [`JOB_IDS_SHOWN`], or the `running` count
+/// when the heartbeat named none.
+fn jobs_cell(s: &crate::status::ServerStatus) -> String {
+    let ids = s
+        .jobs
+        .iter()
+        .map(|j| escape(j))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match s.jobs.len() {
+        0 => format!("<td>{}</td>", s.running),
+        n if n <= JOB_IDS_SHOWN => format!("<td>{ids}</td>"),
+        n => format!("<td title=\"{ids}\">{n} jobs</td>"),
+    }
 }
 
 fn decisions(h: &mut String, r: &StatusReport, now: f64) {
@@ -443,6 +464,7 @@ mod tests {
                     status: "ACTIVE".into(),
                     agent_state: "busy".into(),
                     running: 2,
+                    jobs: vec!["17-a".into(), "18-b".into()],
                     slots: Some(2),
                     slots_mismatch: false,
                     age_secs: Some(192),
@@ -504,10 +526,23 @@ mod tests {
         assert!(
             page.contains(
                 "<td title=\"0b1e\">vq-cms-1a2b3c4d</td><td>ACTIVE</td>\
-                 <td>busy (kernel &lt;update&gt;)</td><td>2</td><td>3m 12s</td><td>4s ago</td>"
+                 <td>busy (kernel &lt;update&gt;)</td><td>17-a, 18-b</td><td>3m 12s</td><td>4s ago</td>"
             ),
             "{page}"
         );
+        // More jobs than shown: their count, the ids in the title.
+        let mut r = report();
+        let s = &mut r.pools.get_mut("cms").unwrap().servers[0];
+        s.jobs = vec!["1-a".into(), "2-<b>".into(), "3-c".into()];
+        s.running = 3;
+        let page = render(&r);
+        assert!(
+            page.contains("<td title=\"1-a, 2-&lt;b&gt;, 3-c\">3 jobs</td>"),
+            "{page}"
+        );
+        // A heartbeat that named no ids: the count.
+        r.pools.get_mut("cms").unwrap().servers[0].jobs.clear();
+        assert!(render(&r).contains("</td><td>3</td><td>3m 12s</td>"));
         assert!(
             page.contains("<td>10s ago</td><td>cms</td><td>boot</td><td>–</td>"),
             "{page}"

@@ -479,12 +479,7 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         let breaker = self.breakers.get(name, &pool_cfg);
         breaker.observe(now, &observed.servers, &classes);
         observed.boot_gate = breaker.gate(now);
-        let mut planned = plan(&observed, &pool_cfg, timing);
-        if let (Some(limit), Some(note)) = (planned.limited.as_mut(), &world.quota_note) {
-            if limit.kind == crate::plan::LIMIT_QUOTA {
-                limit.reason = format!("{}: {note}", limit.reason);
-            }
-        }
+        let planned = plan(&observed, &pool_cfg, timing);
         // Deletes in flight: a server a complete listing no longer shows
         // is gone; one still listed is polled, not deleted again at once.
         let deletes = self.deletes.entry(name.to_string()).or_default();

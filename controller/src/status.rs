@@ -20,8 +20,10 @@
 //!       "agents": {"idle": 0, "busy": 3, "draining": 0},
 //!       "servers": [
 //!         {"id": "…", "name": "vq-cms-1a2b3c4d", "status": "ACTIVE",
-//!          "agent_state": "busy", "running": 1, "age_secs": 600,
-//!          "heartbeat_age_secs": 4}
+//!          "agent_state": "busy", "running": 1,
+//!          "jobs": ["1764412700-sim"], "slots": 4, "slots_mismatch": false,
+//!          "age_secs": 600, "heartbeat_age_secs": 4,
+//!          "drain_reason": "kernel update"}
 //!       ],
 //!       "last_decisions": [
 //!         {"at": 1764412790.0, "action": "boot", "server": null,
@@ -220,6 +222,10 @@ pub struct ServerStatus {
     pub agent_state: String,
     /// Jobs the agent reported running.
     pub running: u32,
+    /// Their job ids, per the agent's last heartbeat (empty: none, or no
+    /// heartbeat).
+    #[serde(default)]
+    pub jobs: Vec<String>,
     /// Job slots its last heartbeat reported (`null`: no heartbeat).
     #[serde(default)]
     pub slots: Option<u32>,
@@ -331,6 +337,7 @@ pub fn publish(
             },
             agent_state: c.agent_state().into(),
             running: s.agent.as_ref().map(|a| a.running).unwrap_or(0),
+            jobs: s.agent.as_ref().map(|a| a.jobs.clone()).unwrap_or_default(),
             slots: s.agent.as_ref().map(|a| a.slots),
             slots_mismatch: s.agent.as_ref().is_some_and(|a| {
                 observed.configured_slots != 0 && a.slots != observed.configured_slots
@@ -807,6 +814,7 @@ mod tests {
             heartbeat_age_secs: 1.0,
             state: AgentState::Idle,
             running: 0,
+            jobs: vec![],
             slots,
             is_del: false,
             idle_secs: 0.0,
@@ -848,6 +856,56 @@ mod tests {
         );
         let json = serde_json::to_value(&report.pools["cms"]).unwrap();
         assert_eq!(json["servers"][0]["slots_mismatch"], true);
+    }
+
+    #[test]
+    fn each_server_shows_the_job_ids_and_drain_reason_of_its_agents_heartbeat() {
+        use crate::observe::{AgentSeen, ObservedServer};
+        use vq_common::messages::AgentState;
+        let status = status_with("cms");
+        let m = Metrics::new();
+        let busy = AgentSeen {
+            heartbeat_age_secs: 3.0,
+            state: AgentState::Draining,
+            running: 2,
+            jobs: vec!["17-a".into(), "18-b".into()],
+            slots: 2,
+            is_del: false,
+            idle_secs: 0.0,
+            answer: None,
+            drain_reason: Some("kernel update".into()),
+        };
+        let server = |name: &str, agent| ObservedServer {
+            id: format!("id-{name}"),
+            name: name.into(),
+            status: NovaStatus::Active,
+            age_secs: Some(10.0),
+            agent,
+        };
+        let o = Observed {
+            pool: "cms".into(),
+            servers: vec![server("a", Some(busy)), server("b", None)],
+            configured_slots: 2,
+            ..Default::default()
+        };
+        let p = Plan {
+            target: 2,
+            active: 0,
+            booting: 1,
+            classes: vec![Class::Draining, Class::Booting],
+            actions: vec![],
+            held: vec![],
+            limited: None,
+        };
+        publish(&status, &m, Instant::now(), "cms", &o, &p);
+        let json = serde_json::to_value(&status.read().unwrap().pools["cms"]).unwrap();
+        let s = &json["servers"];
+        assert_eq!(s[0]["jobs"], serde_json::json!(["17-a", "18-b"]));
+        assert_eq!(s[0]["running"], 2);
+        assert_eq!(s[0]["drain_reason"], "kernel update");
+        assert_eq!(s[0]["agent_state"], "draining");
+        assert_eq!(s[1]["jobs"], serde_json::json!([]));
+        assert!(s[1].get("drain_reason").is_none(), "{s}");
     }
 
     #[test]

@@ -131,6 +131,7 @@ mod tests {
             heartbeat_age_secs: hb_age,
             state: AgentState::Idle,
             running: 0,
+            jobs: vec![],
             slots: 1,
             is_del: false,
             idle_secs: 0.0,

@@ -553,7 +553,7 @@ async fn a_full_quota_and_an_unreachable_cloud_are_the_pool_s_obstacle_until_the
         .await?;
     let obstacle = p["obstacle"].as_str().unwrap_or_default().to_string();
     ensure!(
-        obstacle.contains("1 more wanted, 0 allowed") && obstacle.contains("0/0 instances used"),
+        obstacle == "quota exhausted: 0/0 instances; 1 more VM(s) wanted, 0 allowed",
         "the obstacle does not give the quota's figures: {obstacle}"
     );
     // It stays while the quota is full (not one sample in three).
@@ -580,7 +580,9 @@ async fn a_full_quota_and_an_unreachable_cloud_are_the_pool_s_obstacle_until_the
     };
     let shown = pools(&ctl)?;
     ensure!(
-        shown.contains("boots held back: instance quota"),
+        shown.contains(&format!(
+            "{POOL}: boots held back: quota exhausted: 0/0 instances;"
+        )),
         "vq pools does not show the quota: {shown}"
     );
     // The cloud stops answering listings: the pool is not observed, and

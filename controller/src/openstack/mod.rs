@@ -178,10 +178,26 @@ pub struct Quota {
 }
 
 impl Quota {
-    /// Instances that may still be created; `None` when unlimited.
+    /// Instances that may still be created; `None` when unlimited. `0`
+    /// also when the cores or the RAM quota is used up (Nova refuses any
+    /// create then, whatever the flavor); the flavor's size is not known
+    /// here, so a partly used cores or RAM quota does not lower it.
     pub fn remaining(&self) -> Option<u32> {
+        if self.cores_full() || self.ram_full() {
+            return Some(0);
+        }
         self.max_instances
             .map(|m| m.saturating_sub(self.used_instances))
+    }
+
+    /// Whether the cores quota is set and used up.
+    pub fn cores_full(&self) -> bool {
+        self.max_cores.is_some_and(|m| self.used_cores >= m)
+    }
+
+    /// Whether the RAM quota is set and used up.
+    pub fn ram_full(&self) -> bool {
+        self.max_ram_mib.is_some_and(|m| self.used_ram_mib >= m)
     }
 }
 

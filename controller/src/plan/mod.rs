@@ -203,10 +203,52 @@ pub struct Limit {
 
 /// The pool's `max` is reached.
 pub const LIMIT_MAX: &str = "max";
-/// The project's instance quota is used up (or could not be read).
+/// The project's quota (instances, cores or RAM) is used up, or could not
+/// be read; the obstacle's words come from [`quota_words`].
 pub const LIMIT_QUOTA: &str = "quota";
 /// A boot failed less than `cooldown_secs` ago.
 pub const LIMIT_COOLDOWN: &str = "boot-cooldown";
+
+/// The quota that holds a pool's boots back, in the words of the status
+/// page and `vq pools` (issue 13): `"quota exhausted: 10/10 instances"`,
+/// `"… 40/40 cores"`, `"… 20480/20480 MiB RAM"` when `remaining` (the
+/// instances this pool may still create, after the pools before it in the
+/// cycle) is 0, else `"quota nearly exhausted: 8/10 instances"`; `"quota
+/// could not be read: …"` when the read failed. Instances used are counted
+/// as `limit - remaining`, so boots of earlier pools in the cycle are in
+/// it. Cores and RAM are named when they are used up (see
+/// [`crate::openstack::Quota::remaining`]).
+pub fn quota_words(quota: &crate::observe::QuotaView, remaining: u32) -> String {
+    use crate::observe::QuotaView;
+    match quota {
+        QuotaView::Unreadable(e) => format!("quota could not be read: {e}"),
+        QuotaView::Unknown => format!("quota allows {remaining} more instance(s)"),
+        QuotaView::Read(q) => {
+            if q.cores_full() {
+                return format!(
+                    "quota exhausted: {}/{} cores",
+                    q.used_cores,
+                    q.max_cores.unwrap_or_default()
+                );
+            }
+            if q.ram_full() {
+                return format!(
+                    "quota exhausted: {}/{} MiB RAM",
+                    q.used_ram_mib,
+                    q.max_ram_mib.unwrap_or_default()
+                );
+            }
+            match q.max_instances {
+                Some(max) => format!(
+                    "quota {}exhausted: {}/{max} instances",
+                    if remaining == 0 { "" } else { "nearly " },
+                    max.saturating_sub(remaining)
+                ),
+                None => format!("quota allows {remaining} more instance(s)"),
+            }
+        }
+    }
+}
 
 /// Judges one server.
 pub fn classify(s: &ObservedServer, pool: &PoolConfig, obs: &Observed, t: Timing) -> Class {
@@ -412,7 +454,10 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 ));
                 limit(
                     LIMIT_QUOTA,
-                    format!("instance quota: {n} more wanted, {q} allowed"),
+                    format!(
+                        "{}; {n} more VM(s) wanted, {q} allowed",
+                        quota_words(&obs.quota, q)
+                    ),
                 );
                 n = q;
             }

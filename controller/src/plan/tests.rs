@@ -33,6 +33,7 @@ fn agent(running: u32, idle_secs: f64, hb_age: f64) -> AgentSeen {
             AgentState::Idle
         },
         running,
+        jobs: (0..running).map(|i| format!("job-{i}")).collect(),
         slots: running.max(1),
         is_del: false,
         idle_secs,
@@ -60,6 +61,7 @@ fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
         queued_slots: queued,
         running_slots: running,
         quota_remaining: None,
+        quota: Default::default(),
         listening_secs: 1000.0,
         since_scale_down_secs: None,
         since_boot_failure_secs: None,
@@ -161,10 +163,98 @@ fn quota_limits_boots() {
     let l = p.limited.expect("limited");
     assert_eq!(l.kind, LIMIT_QUOTA);
     assert!(
-        l.reason.contains("10 more wanted, 3 allowed"),
+        l.reason.contains("10 more VM(s) wanted, 3 allowed"),
         "{}",
         l.reason
     );
+}
+
+fn quota(max_instances: u32, used_instances: u32) -> crate::openstack::Quota {
+    crate::openstack::Quota {
+        max_instances: Some(max_instances),
+        used_instances,
+        max_cores: Some(100),
+        used_cores: 2 * used_instances,
+        max_ram_mib: Some(1 << 20),
+        used_ram_mib: 2048 * u64::from(used_instances),
+    }
+}
+
+#[test]
+fn a_full_quota_is_the_obstacle_in_words_with_its_figures() {
+    use crate::observe::QuotaView;
+    // 10/10 instances: nothing allowed.
+    let mut o = obs(vec![], 3, 0);
+    o.quota = QuotaView::Read(quota(10, 10));
+    o.quota_remaining = quota(10, 10).remaining();
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 0);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA);
+    assert_eq!(
+        l.reason,
+        "quota exhausted: 10/10 instances; 3 more VM(s) wanted, 0 allowed"
+    );
+    // 8/10 read, but an earlier pool of the cycle booted 2: this pool's
+    // turn sees 10/10.
+    o.quota = QuotaView::Read(quota(10, 8));
+    o.quota_remaining = Some(0);
+    let l = plan(&o, &pool(0, 10, 1), T).limited.expect("limited");
+    assert!(
+        l.reason.starts_with("quota exhausted: 10/10 instances;"),
+        "{}",
+        l.reason
+    );
+    // Nearly exhausted: 1 of 3 allowed.
+    o.quota_remaining = Some(1);
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 1);
+    assert_eq!(
+        p.limited.expect("limited").reason,
+        "quota nearly exhausted: 9/10 instances; 3 more VM(s) wanted, 1 allowed"
+    );
+    // Cores used up, instances free: the cores are named.
+    let mut q = quota(10, 2);
+    q.max_cores = Some(4);
+    q.used_cores = 4;
+    o.quota = QuotaView::Read(q);
+    o.quota_remaining = q.remaining();
+    assert_eq!(o.quota_remaining, Some(0));
+    let l = plan(&o, &pool(0, 10, 1), T).limited.expect("limited");
+    assert!(
+        l.reason.starts_with("quota exhausted: 4/4 cores;"),
+        "{}",
+        l.reason
+    );
+    // RAM used up.
+    let mut q = quota(10, 2);
+    q.max_ram_mib = Some(4096);
+    o.quota = QuotaView::Read(q);
+    o.quota_remaining = q.remaining();
+    let l = plan(&o, &pool(0, 10, 1), T).limited.expect("limited");
+    assert!(
+        l.reason.starts_with("quota exhausted: 4096/4096 MiB RAM;"),
+        "{}",
+        l.reason
+    );
+    // Unreadable: nothing booted, the cause said.
+    o.quota = QuotaView::Unreadable("HTTP 503 from /limits".into());
+    o.quota_remaining = Some(0);
+    let l = plan(&o, &pool(0, 10, 1), T).limited.expect("limited");
+    assert!(
+        l.reason
+            .starts_with("quota could not be read: HTTP 503 from /limits;"),
+        "{}",
+        l.reason
+    );
+    // Unlimited instances and free cores: no quota limit at all.
+    let q = crate::openstack::Quota {
+        max_instances: None,
+        ..quota(0, 2)
+    };
+    o.quota = QuotaView::Read(q);
+    o.quota_remaining = q.remaining();
+    assert_eq!(plan(&o, &pool(0, 10, 1), T).limited, None);
 }
 
 #[test]
@@ -468,6 +558,7 @@ fn arb_agent() -> impl Strategy<Value = AgentSeen> {
                 _ => AgentState::Drained,
             },
             running,
+            jobs: (0..running).map(|i| format!("job-{i}")).collect(),
             slots: running.max(1),
             is_del,
             idle_secs: idle,
