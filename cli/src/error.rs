@@ -241,6 +241,15 @@ pub enum SubmitError {
         /// Limit, bytes.
         limit: usize,
     },
+    /// The job has dependencies (`-W depend=`), which this version of
+    /// `vq submit` parses but does not submit yet: the controller's release
+    /// of held jobs is not in place, and a held job nobody releases would
+    /// wait forever.
+    #[error("-W depend={depend} is not supported by this version of vq yet (held jobs are not released); submit the job once its dependencies have ended")]
+    DependNotSupported {
+        /// The dependencies as written back, e.g. `afterok:1:2,afterany:3`.
+        depend: String,
+    },
 }
 
 impl CliError {

@@ -146,6 +146,7 @@ pub fn build_job(
         umask: d.umask,
         submit_host: ctx.host.clone(),
         submitted_at: ctx.now,
+        depend: d.depend.clone(),
     };
     let default_out = job.default_stdout(&submit_dir);
     let default_err = job.default_stderr(&submit_dir);
@@ -529,6 +530,13 @@ pub async fn run(
         eprintln!("vq: warning: {w}");
     }
     let job = built.job;
+    if !job.depend.is_empty() {
+        let depend: Vec<String> = job.depend.iter().map(ToString::to_string).collect();
+        return Err(SubmitError::DependNotSupported {
+            depend: depend.join(","),
+        }
+        .into());
+    }
     let topo = Topology::new(&settings.cluster);
     let conn = amqp::connect(&settings.broker, "vq submit")
         .await
@@ -685,6 +693,31 @@ mod tests {
         );
         assert!(!j.env.contains_key("FOO"), "no -V, no copy");
         assert_eq!(Job::decode(&j.encode()).unwrap(), j);
+    }
+
+    #[test]
+    fn dependencies_reach_the_job_and_the_command_line_replaces_the_scripts() {
+        use vq_common::messages::DependKind;
+        let script = b"#PBS -W depend=afterok:a1:a2,afterany:b1\necho\n";
+        let b = build_job(script, "job.pbs", flags(&[]), &ctx()).unwrap();
+        let words: Vec<String> = b.job.depend.iter().map(ToString::to_string).collect();
+        assert_eq!(words, ["afterok:a1:a2", "afterany:b1"]);
+        assert_eq!(Job::decode(&b.job.encode()).unwrap(), b.job);
+        let b = build_job(
+            script,
+            "job.pbs",
+            flags(&[('W', Some("depend=afternotok:c1"))]),
+            &ctx(),
+        )
+        .unwrap();
+        assert_eq!(b.job.depend.len(), 1);
+        assert_eq!(b.job.depend[0].kind, DependKind::AfterNotOk);
+        let err =
+            build_job(b"#PBS -W depend=before:1\necho\n", "j", flags(&[]), &ctx()).unwrap_err();
+        assert!(
+            vq_common::error::chain(&err).contains("not supported"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -169,7 +169,7 @@ pub fn cloud_op(op: &str) -> &'static str {
 /// ([`failure_reason`]).
 pub fn job_end_labels(event: &JobEvent) -> Option<(&'static str, &'static str)> {
     Some(match &event.state {
-        JobState::Queued { .. } | JobState::Started => return None,
+        JobState::Queued { .. } | JobState::Held { .. } | JobState::Started => return None,
         JobState::Withdrawn { .. } => ("cancelled", "withdrawn"),
         JobState::Finished { outcome, .. } => match outcome {
             Outcome::Cancelled => ("cancelled", "cancelled"),

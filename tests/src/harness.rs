@@ -1085,6 +1085,7 @@ pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
         umask: None,
         submit_host: "submit.test".into(),
         submitted_at: 0,
+        depend: Vec::new(),
     }
 }
 
