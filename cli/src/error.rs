@@ -241,14 +241,14 @@ pub enum SubmitError {
         /// Limit, bytes.
         limit: usize,
     },
-    /// The job has dependencies (`-W depend=`), which this version of
-    /// `vq submit` parses but does not submit yet: the controller's release
-    /// of held jobs is not in place, and a held job nobody releases would
-    /// wait forever.
-    #[error("-W depend={depend} is not supported by this version of vq yet (held jobs are not released); submit the job once its dependencies have ended")]
-    DependNotSupported {
-        /// The dependencies as written back, e.g. `afterok:1:2,afterany:3`.
-        depend: String,
+    /// A `-W depend=` job id the controller's job table does not know (or
+    /// names ambiguously): the job would be held until cancelled.
+    #[error("-W depend: {problem} (a dependency must be a job the controller's table knows: see `vq stat -a`)")]
+    Dependency {
+        /// The id as written.
+        id: String,
+        /// The controller's answer, e.g. `unknown job id "123"`.
+        problem: String,
     },
 }
 

@@ -233,13 +233,15 @@ impl Topology {
         format!("{}.held", self.cluster)
     }
 
-    /// Arguments of the held queue: a quorum queue that dead-letters to
-    /// [`Topology::dead_exchange`], without a delivery limit (every change
-    /// of leader redelivers every held job: a limit would dead-letter jobs
-    /// held for long).
+    /// Arguments of the held queue: a quorum queue with a single active
+    /// consumer (two controllers overlapping for a moment never both hold
+    /// held jobs) that dead-letters to [`Topology::dead_exchange`], without
+    /// a delivery limit (every change of leader redelivers every held job:
+    /// a limit would dead-letter jobs held for long).
     pub fn held_queue_args(&self) -> QueueArgs {
         vec![
             ("x-queue-type", ArgValue::Str("quorum".into())),
+            ("x-single-active-consumer", ArgValue::Bool(true)),
             (
                 "x-dead-letter-exchange",
                 ArgValue::Str(self.dead_exchange()),

@@ -601,6 +601,7 @@ impl TestBroker {
             self.topo.dead_queue(),
             self.topo.event_log_queue(),
             self.topo.demand_queue(),
+            self.topo.held_queue(),
         ];
         queues.extend(self.pools.iter().map(|p| self.topo.pool_queue(p)));
         for q in queues {
@@ -614,6 +615,7 @@ impl TestBroker {
             self.topo.events_exchange(),
             self.topo.demand_exchange(),
             self.topo.control_exchange(),
+            self.topo.held_exchange(),
         ] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
