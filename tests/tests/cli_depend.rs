@@ -214,7 +214,11 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
         r["reason"] == format!("held: afterok {a} not finished"),
         "{r}"
     );
+    // The outputs README.md shows.
+    let o = vq_as(sub, &cluster, &["stat", "-s", &a, &b])?;
+    eprintln!("$ vq stat -s A B\n{}{}", text(&o.stdout), text(&o.stderr));
     let o = vq_as(sub, &cluster, &["stat", "-f", &b])?;
+    eprintln!("$ vq stat -f B\n{}{}", text(&o.stdout), text(&o.stderr));
     ensure!(
         text(&o.stdout).contains(&format!("    depend = afterok:{a}\n"))
             && text(&o.stdout).contains("    job_state = H\n"),
@@ -234,6 +238,7 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
     )?;
     wait_letter(sub, &cluster, &e, &["H"]).await?;
     let o = vq_as(sub, &cluster, &["cancel", &e])?;
+    eprintln!("$ vq cancel E\n{}{}", text(&o.stdout), text(&o.stderr));
     ensure!(o.status.success(), "vq cancel {e}: {}", text(&o.stderr));
     let r = stat_one(sub, &cluster, &e)?;
     ensure!(
@@ -293,6 +298,8 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
     let why = format!("dependency afterok:{d} can never be satisfied: {d} exited 1");
     let r = wait_letter(sub, &cluster, &c, &["X"]).await?;
     ensure!(r["reason"] == why.as_str(), "{r}");
+    let o = vq_as(sub, &cluster, &["stat", "-s", &d, &c])?;
+    eprintln!("$ vq stat -s D C\n{}{}", text(&o.stdout), text(&o.stderr));
     let ev = tap
         .job_event(&c, "cancelled", Duration::from_secs(20))
         .await?;
@@ -328,6 +335,10 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
         &["-W", "depend=afterok:nosuchjob"],
         &c_pbs,
     )?;
+    eprintln!(
+        "$ vq submit -W depend=afterok:nosuchjob c.pbs\n{}",
+        text(&o.stderr)
+    );
     ensure!(
         o.status.code() == Some(64) && text(&o.stderr).contains("unknown job id \"nosuchjob\""),
         "{:?} {}",
