@@ -12,7 +12,11 @@
 //!   still `H`; A is let go (exit 0): B runs and finishes, E never starts;
 //! * C `-W depend=afterok:D` with D exiting 1: C is `X` with the reason
 //!   and is in the dead-letter queue with it;
-//! * an unknown dependency id is refused by `vq submit`.
+//! * an unknown dependency id is refused by `vq submit`;
+//! * a held job published without `vq submit`'s check, naming an id
+//!   nobody submitted, is cancelled after `depend_grace_secs`; afternotok
+//!   of a failed job releases its job into the pool with the submitter in
+//!   the requeue envelope, afterok of it cancels.
 //!
 //! Root (rabbitmqctl creates the broker accounts; the agent switches
 //! users): `cargo test -p vq-tests --test cli_depend -- --include-ignored`.
@@ -22,9 +26,14 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
+use vq_common::amqp;
+use vq_common::messages::{
+    DependKind, Dependency, Job, JobEvent, JobState, Message, SUBMITTER_HEADER,
+};
+use vq_common::topology::job_event_key;
 use vq_tests::accounts::{self, Account};
 use vq_tests::harness::{
-    build_bin, ensure_test_user, require_root, shared_broker, start_agent,
+    build_bin, ensure_test_user, job, require_root, shared_broker, start_agent,
     start_controller_on_empty_cloud_with, unique_cluster, wait_agent_up, TestBroker, TestUser,
 };
 
@@ -346,6 +355,173 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
         text(&o.stderr)
     );
     let _ = std::fs::remove_file(&go);
+    broker.cleanup().await;
+    Ok(())
+}
+
+/// Publishes `j` (with dependencies) as `account` the way `vq submit`
+/// does, without its check of the ids: the job to the held exchange, then
+/// its `held` event.
+async fn submit_held(broker: &TestBroker, account: &Account, j: &Job) -> anyhow::Result<()> {
+    let cfg = vq_common::config::BrokerConfig {
+        url: shared_broker()?.url_of(account),
+        ..Default::default()
+    };
+    let conn = amqp::connect(&cfg, "cli_depend submitter").await?;
+    let ch = amqp::confirm_channel(&conn).await?;
+    let user = account.user.as_str();
+    amqp::publish_confirmed(
+        &ch,
+        &broker.topo.held_exchange(),
+        &j.pool,
+        &j.encode(),
+        amqp::json_properties::<Job>()
+            .with_message_id(j.id.as_str().into())
+            .with_user_id(user.into()),
+        true,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let ev = JobEvent::held(j, &j.encode(), user);
+    amqp::publish_confirmed(
+        &ch,
+        &broker.topo.submitted_exchange(),
+        &job_event_key(&j.pool, "held"),
+        &ev.encode(),
+        amqp::event_properties(&ev).with_user_id(user.into()),
+        false,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn an_unknown_dependency_is_cancelled_after_the_grace_and_afternotok_releases_after_a_failure(
+) -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    build_bin("vq-cli", "vq")?;
+    let suite = accounts::suite();
+    let sub = &suite.submitter;
+    let cluster = unique_cluster();
+    let broker = TestBroker::connect(&cluster, &[POOL]).await?;
+    let mut tap = broker.tap_events().await?;
+    let url = shared_broker()?.url_of(&suite.controller);
+    let _ctl = start_controller_on_empty_cloud_with(
+        &url,
+        &cluster,
+        POOL,
+        "info",
+        "127.0.0.1:0",
+        "[jobs]\ndepend_grace_secs = 1\n",
+    )
+    .await?;
+    let depends = |kind, id: &str| {
+        vec![Dependency {
+            kind,
+            jobs: vec![id.to_string()],
+        }]
+    };
+
+    // G names a job nobody submitted: cancelled once the grace has passed.
+    let mut g = job(POOL, "alice", "g", "true\n");
+    g.depend = depends(DependKind::AfterOk, "never-submitted");
+    g.submitted_at = vq_common::messages::unix_now() as u64;
+    submit_held(&broker, sub, &g).await?;
+    let ev = tap
+        .job_event(&g.id, "cancelled", Duration::from_secs(60))
+        .await?;
+    let why = "dependency afterok:never-submitted can never be satisfied: never-submitted is not in the job table 1 s after submission";
+    ensure!(
+        ev["state"] == "withdrawn" && ev["reason"].as_str().is_some_and(|r| r.starts_with(why)),
+        "{ev}"
+    );
+    let r = wait_letter(sub, &cluster, &g.id, &["X"]).await?;
+    ensure!(r["reason"] == ev["reason"], "{r}");
+
+    // F failed (as an agent reports a job it refused): K, afternotok F,
+    // is released into the pool with its submitter in the requeue
+    // envelope; L, afterok F, is cancelled.
+    let f = job(POOL, "alice", "f", "true\n");
+    let failed = JobEvent::about(
+        Some(&f),
+        &f.id,
+        POOL,
+        "ag1",
+        Some(&sub.user),
+        JobState::Failed {
+            reason: "owner \"alice\" is not allowed".into(),
+        },
+    )
+    .of_submission(&f.encode());
+    amqp::publish_confirmed(
+        &broker.ch,
+        &broker.topo.events_exchange(),
+        &job_event_key(POOL, "failed"),
+        &failed.encode(),
+        amqp::event_properties(&failed),
+        false,
+        Duration::from_secs(10),
+    )
+    .await?;
+    wait_letter(sub, &cluster, &f.id, &["F"]).await?;
+    let mut k = job(POOL, "alice", "k", "true\n");
+    k.depend = depends(DependKind::AfterNotOk, &f.id);
+    let mut l = job(POOL, "alice", "l", "true\n");
+    l.depend = depends(DependKind::AfterOk, &f.id);
+    submit_held(&broker, sub, &k).await?;
+    submit_held(&broker, sub, &l).await?;
+    tap.job_event(&k.id, "queued", Duration::from_secs(30))
+        .await?;
+    wait_letter(sub, &cluster, &k.id, &["Q"]).await?;
+    let ev = tap
+        .job_event(&l.id, "cancelled", Duration::from_secs(30))
+        .await?;
+    ensure!(
+        ev["reason"]
+            == format!(
+                "dependency afterok:{} can never be satisfied: {} failed: owner \"alice\" is not allowed",
+                f.id, f.id
+            ),
+        "{ev}"
+    );
+    let got = broker
+        .ch
+        .basic_get(
+            broker.topo.pool_queue(POOL).as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await?
+        .context("K is not in its pool queue")?;
+    ensure!(
+        Job::decode(&got.delivery.data)? == k,
+        "another job in the pool"
+    );
+    ensure!(
+        amqp::header_str(&got.delivery.properties, SUBMITTER_HEADER).as_deref()
+            == Some(sub.user.as_str()),
+        "{:?}",
+        got.delivery.properties.headers()
+    );
+    ensure!(
+        broker.queue_len(&broker.topo.pool_queue(POOL)).await? == 0,
+        "L or a second copy of K reached the pool"
+    );
+    let dead: Vec<_> = broker
+        .take_dead()
+        .await?
+        .into_iter()
+        .filter_map(|d| d.message_id)
+        .collect();
+    ensure!(
+        dead.contains(&g.id) && dead.contains(&l.id) && !dead.contains(&k.id),
+        "{dead:?}"
+    );
     broker.cleanup().await;
     Ok(())
 }
