@@ -512,7 +512,9 @@ pub async fn check_dependencies(
                 // A job submitted a moment ago: its `queued` event may not
                 // have reached the controller's table yet.
                 match check {
-                    DependencyCheck::Refused(_) if tries < UNKNOWN_DEPENDENCY_TRIES => {
+                    DependencyCheck::Refused(_) | DependencyCheck::Unsure(_)
+                        if tries < UNKNOWN_DEPENDENCY_TRIES =>
+                    {
                         tokio::time::sleep(UNKNOWN_DEPENDENCY_RETRY).await;
                     }
                     other => break other,

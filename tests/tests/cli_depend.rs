@@ -12,7 +12,9 @@
 //!   still `H`; A is let go (exit 0): B runs and finishes, E never starts;
 //! * C `-W depend=afterok:D` with D exiting 1: C is `X` with the reason
 //!   and is in the dead-letter queue with it;
-//! * an unknown dependency id is refused by `vq submit`;
+//! * an unknown dependency id is refused by `vq submit`; a job with
+//!   dependencies published straight to the pool queue is refused by the
+//!   agent;
 //! * a held job published without `vq submit`'s check, naming an id
 //!   nobody submitted, is cancelled after `depend_grace_secs`; afternotok
 //!   of a failed job releases its job into the pool with the submitter in
@@ -201,18 +203,24 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
     let a = submitted(&submit(&alice, sub, &cluster, &dir, &[], &a_pbs)?, "a")?;
     tap.job_event(&a, "started", Duration::from_secs(60))
         .await?;
+    // (`vq submit` resolves a prefix against a complete table; one that
+    // is still being rebuilt keeps it as written.)
+    wait_table_complete(sub, &cluster, &a).await?;
     let prefix = &a[..8];
-    let b = submitted(
-        &submit(
-            &alice,
-            sub,
-            &cluster,
-            &dir,
-            &["-W", &format!("depend=afterok:{prefix}")],
-            &b_pbs,
-        )?,
-        "b",
+    let o = submit(
+        &alice,
+        sub,
+        &cluster,
+        &dir,
+        &["-W", &format!("depend=afterok:{prefix}")],
+        &b_pbs,
     )?;
+    eprintln!(
+        "$ vq submit -W depend=afterok:{prefix} b.pbs\n{}{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
+    let b = submitted(&o, "b")?;
     let ev = tap.job_event(&b, "held", Duration::from_secs(20)).await?;
     ensure!(
         ev["request"]["depend"][0]["jobs"][0] == a.as_str(),
@@ -332,6 +340,25 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
         "{:?}",
         letter.headers
     );
+
+    // A job with dependencies published straight to the pool queue (not
+    // released by the controller) is refused by the agent, not run.
+    let mut p = job(POOL, &alice.name, "p", &format!("touch {ran_e}\n"));
+    p.depend = vec![Dependency {
+        kind: DependKind::AfterOk,
+        jobs: vec![d.clone()],
+    }];
+    broker.publish_job(&p).await?;
+    let ev = tap
+        .job_event(&p.id, "failed", Duration::from_secs(30))
+        .await?;
+    ensure!(
+        ev["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("not released by the controller")),
+        "{ev}"
+    );
+    ensure!(!Path::new(&ran_e).exists(), "the unreleased job ran");
 
     // An unknown dependency is refused at submission, once the table is
     // complete (before, `vq submit` says it cannot tell and submits).

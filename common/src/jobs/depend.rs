@@ -10,7 +10,7 @@
 //! one) runs when all are satisfied, and is cancelled as soon as one of
 //! them can never be.
 
-use super::table::{JobRecord, JobTable, State};
+use super::table::{FindError, JobRecord, JobTable, State};
 use crate::messages::{DependKind, Dependency};
 
 /// What to do with a held job now ([`decide`]).
@@ -51,13 +51,19 @@ fn how_it_ended(r: &JobRecord) -> String {
 }
 
 fn one(kind: DependKind, id: &str, table: &JobTable, unknown_is_never: Option<u64>) -> One {
-    let Some(r) = table.get(id) else {
-        return match unknown_is_never {
-            Some(grace) => One::Never(format!(
-                "{id} is not in the job table {grace} s after submission (unknown job id, or it ended longer ago than keep_completed)"
-            )),
-            None => One::Pending(format!("held: {} {id} unknown (yet)", kind.word())),
-        };
+    let r = match table.find(id) {
+        Ok(r) => r,
+        Err(FindError::Ambiguous(ids)) => {
+            return One::Never(format!("{id} names several jobs: {}", ids.join(", ")))
+        }
+        Err(FindError::Unknown) => {
+            return match unknown_is_never {
+                Some(grace) => One::Never(format!(
+                    "{id} is not in the job table {grace} s after submission (unknown job id, or it ended longer ago than keep_completed)"
+                )),
+                None => One::Pending(format!("held: {} {id} unknown (yet)", kind.word())),
+            }
+        }
     };
     if !r.state.ended() {
         return One::Pending(format!("held: {} {id} not finished", kind.word()));
@@ -72,7 +78,11 @@ fn one(kind: DependKind, id: &str, table: &JobTable, unknown_is_never: Option<u6
 }
 
 /// What to do with a held job whose dependencies are `depend`, given the
-/// job table `table`. An id the table does not know is waited for, unless
+/// job table `table`. An id is looked up as `vq stat` does
+/// ([`JobTable::find`]: the exact id, else a unique prefix, so an id kept
+/// as written by a `vq submit` that could not resolve it still works; a
+/// prefix several ids share can never be satisfied). An id the table does
+/// not know is waited for, unless
 /// `unknown_after_grace` is `Some(grace)` (the job was submitted at least
 /// `grace` seconds ago, the controller's `depend_grace_secs`): then it can
 /// never be satisfied. A [`Decision::Never`] of any dependency wins over
@@ -277,6 +287,20 @@ mod tests {
     #[test]
     fn an_unknown_id_is_waited_for_until_the_grace_has_passed() {
         let t = table();
+        // A unique prefix names its job; a shared one never can.
+        assert_eq!(
+            decide(&[dep(DependKind::AfterOk, &["o"])], &t, None),
+            Decision::Release
+        );
+        let mut two = table();
+        for id in ["ab1", "ab2"] {
+            let e = ev(id, JobState::Started);
+            two.apply(&e, Some(&e.message_id()));
+        }
+        assert!(matches!(
+            decide(&[dep(DependKind::AfterAny, &["ab"])], &two, None),
+            Decision::Never(w) if w.contains("ab names several jobs: ab1, ab2")
+        ));
         let d = [dep(DependKind::AfterOk, &["nosuch"])];
         assert_eq!(
             decide(&d, &t, None),
