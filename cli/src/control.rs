@@ -367,11 +367,12 @@ async fn cancel_from_stream(
     let topo = Topology::new(&settings.cluster);
     let jobs = read_job_table(conn, &topo).await?;
     let job = find_job(&jobs, job_id)?;
-    if job.state == State::Queued {
+    if matches!(job.state, State::Queued | State::Held) {
         return Err(CliError::QueryRefused {
             problem: format!(
-                "job {} is queued, and no controller listens on {} (key {}): a queued job is cancelled by the controller; start it, or cancel the job once it runs",
+                "job {} is {}, and no controller listens on {} (key {}): a queued or held job is cancelled by the controller; start it, or cancel the job once it runs",
                 job.id,
+                job.state.word(),
                 topo.control_exchange(),
                 topo.cancel_query_key()
             ),

@@ -262,6 +262,15 @@ pub enum SubmitError {
         /// Limit, bytes.
         limit: usize,
     },
+    /// A `-W depend=` job id the controller's job table does not know (or
+    /// names ambiguously): the job would be held until cancelled.
+    #[error("-W depend: {problem} (a dependency must be a job the controller's table knows: see `vq stat -a`)")]
+    Dependency {
+        /// The id as written.
+        id: String,
+        /// The controller's answer, e.g. `unknown job id "123"`.
+        problem: String,
+    },
 }
 
 impl CliError {

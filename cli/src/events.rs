@@ -127,7 +127,7 @@ pub fn wait_exit_code(state: &JobState) -> i32 {
             outcome: Outcome::Signaled { signal },
             ..
         } => 128 + signal,
-        JobState::Queued { .. } | JobState::Started => 0,
+        JobState::Queued { .. } | JobState::Held { .. } | JobState::Started => 0,
         JobState::Finished { .. } | JobState::Failed { .. } | JobState::Withdrawn { .. } => 1,
     }
 }
@@ -171,7 +171,7 @@ pub async fn wait_for_job(
             continue;
         }
         match &event.state {
-            JobState::Queued { .. } => {}
+            JobState::Queued { .. } | JobState::Held { .. } => {}
             JobState::Started => {
                 started = true;
                 eprintln!("vq: job {} started on {}", job_id, event.agent)
@@ -179,8 +179,15 @@ pub async fn wait_for_job(
             // A start that won the race against the withdrawal: the job
             // runs, and its cancel goes to the agent.
             JobState::Withdrawn { .. } if started => {}
-            JobState::Withdrawn { by } => {
+            JobState::Withdrawn { by, reason: None } => {
                 eprintln!("vq: job {job_id} was cancelled by {by} while queued");
+                return Ok(wait_exit_code(&event.state));
+            }
+            JobState::Withdrawn {
+                reason: Some(reason),
+                ..
+            } => {
+                eprintln!("vq: job {job_id} was cancelled: {reason}");
                 return Ok(wait_exit_code(&event.state));
             }
             JobState::Finished { outcome, .. } => {

@@ -170,7 +170,8 @@ pub struct SubmitArgs {
     /// Rerunnable after a node loss: y or n [default: y].
     #[arg(short = 'r', value_name = "y|n")]
     pub rerunnable: Option<String>,
-    /// Attributes: umask=022, group_list=GROUP.
+    /// Attributes: umask=022, group_list=GROUP, depend=afterok:ID[:ID...]
+    /// (also afternotok, afterany; several types separated by commas).
     #[arg(short = 'W', value_name = "ATTR=VAL[,..]")]
     pub attributes: Vec<String>,
     /// Mail options (accepted and ignored: vq sends no mail).

@@ -261,6 +261,10 @@ pub fn render_full(jobs: &[JobRecord], now: f64) -> String {
             if let Some(w) = &r.workdir {
                 attr("init_work_dir", w.clone());
             }
+            if !r.depend.is_empty() {
+                let d: Vec<String> = r.depend.iter().map(ToString::to_string).collect();
+                attr("depend", d.join(","));
+            }
         }
         if let Some(t) = j.queued_at {
             attr("ctime", ctime(t));
@@ -545,6 +549,24 @@ mod tests {
         assert!(text.contains("    comment = failed to start: no such user\n"));
         assert!(!text.contains("exec_host"), "{text}");
         assert_eq!(ctime(1_764_689_499.0), "Tue Dec  2 15:31:39 2025");
+        // A held job shows its dependencies and why it waits.
+        let mut held = rec("h", "alice", State::Held);
+        held.request = Some(JobRequest {
+            depend: vec![vq_common::messages::Dependency {
+                kind: vq_common::messages::DependKind::AfterOk,
+                jobs: vec!["a1.vq".into(), "a2.vq".into()],
+            }],
+            ..Default::default()
+        });
+        held.reason = Some("held: afterok a1.vq not finished".into());
+        let text = render_full(&[held], 0.0);
+        for want in [
+            "    job_state = H\n",
+            "    depend = afterok:a1.vq:a2.vq\n",
+            "    comment = held: afterok a1.vq not finished\n",
+        ] {
+            assert!(text.contains(want), "{want:?} missing in\n{text}");
+        }
     }
 
     #[test]

@@ -149,6 +149,7 @@ pub fn build_job(
         umask: d.umask,
         submit_host: ctx.host.clone(),
         submitted_at: ctx.now,
+        depend: d.depend.clone(),
     };
     let default_out = job.default_stdout(&submit_dir);
     let default_err = job.default_stderr(&submit_dir);
@@ -421,8 +422,131 @@ pub fn new_job_id(cluster: &str) -> String {
     format!("{}.{cluster}", uuid::Uuid::new_v4())
 }
 
+/// How often `vq submit` asks the controller about a dependency id its
+/// table does not know before refusing the job ([`check_dependencies`]).
+pub const UNKNOWN_DEPENDENCY_TRIES: u32 = 3;
+
+/// Pause between those questions.
+pub const UNKNOWN_DEPENDENCY_RETRY: Duration = Duration::from_millis(500);
+
+/// How the controller's job table answered for one `-W depend=` id
+/// ([`dependency_answer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DependencyCheck {
+    /// The table knows the job: its full id (a unique prefix is resolved).
+    Known(String),
+    /// The table knows it, but the requester may not see it (another
+    /// user's job, `query_other_jobs` off): kept as written.
+    Hidden,
+    /// The table does not know it, or several ids start with it: refused.
+    Refused(String),
+    /// The table is still being rebuilt: kept as written, with a warning.
+    Unsure(String),
+}
+
+/// Classifies the answer of a query for dependency id `id`: `rows` (the
+/// records found) or the controller's refusal `problem`
+/// ([`vq_common::jobs::answer`]'s wording).
+pub fn dependency_answer(
+    id: &str,
+    rows: Option<&[vq_common::jobs::JobRecord]>,
+    problem: Option<&str>,
+) -> DependencyCheck {
+    match (rows, problem) {
+        (Some([one, ..]), _) => DependencyCheck::Known(one.id.clone()),
+        (_, Some(p)) if p.starts_with("unknown job id") && p.contains("still reading") => {
+            DependencyCheck::Unsure(p.to_string())
+        }
+        (_, Some(p)) if p.starts_with("unknown job id") || p.contains("is ambiguous") => {
+            DependencyCheck::Refused(p.to_string())
+        }
+        (_, Some(_)) => DependencyCheck::Hidden,
+        _ => DependencyCheck::Refused(format!("unknown job id {id:?}")),
+    }
+}
+
+/// Checks every `-W depend=` id of `job` against the controller's job
+/// table (a [`vq_common::jobs::JobQuery`] per id, as `vq stat ID` asks)
+/// and replaces unique prefixes by the full ids; an unknown id is asked
+/// about [`UNKNOWN_DEPENDENCY_TRIES`] times (its job's `queued` event may
+/// be on its way to the table). When no controller
+/// answers, the job is submitted as written with a warning: the controller
+/// then cancels it if an id stays unknown for `[jobs] depend_grace_secs`.
+///
+/// # Errors
+/// [`SubmitError::Dependency`] for an unknown or ambiguous id;
+/// [`CliError::Broker`] or [`CliError::NoSuchCluster`] from the query.
+pub async fn check_dependencies(
+    conn: &lapin::Connection,
+    settings: &Settings,
+    job: &mut Job,
+) -> Result<(), CliError> {
+    let timeout = crate::stat::QUERY_TIMEOUT;
+    for d in &mut job.depend {
+        for id in &mut d.jobs {
+            let q = vq_common::jobs::JobQuery {
+                schema: SCHEMA_VERSION,
+                ids: vec![id.clone()],
+                owner: None,
+                states: Vec::new(),
+                pool: None,
+                after: None,
+                limit: None,
+            };
+            let mut tries = 0;
+            let check = loop {
+                tries += 1;
+                let check = match crate::stat::ask_controller(conn, settings, q.clone(), timeout)
+                    .await
+                {
+                    Ok((rows, _)) => dependency_answer(id, Some(&rows), None),
+                    Err(CliError::QueryRefused { problem }) => {
+                        dependency_answer(id, None, Some(&problem))
+                    }
+                    Err(e @ CliError::NoController { .. }) => {
+                        eprintln!(
+                            "vq: warning: cannot check the dependencies against the job table ({}); the job is held as written, and the controller cancels it if a dependency stays unknown",
+                            crate::term::printable(&vq_common::error::chain(&e))
+                        );
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e),
+                };
+                // A job submitted a moment ago: its `queued` event may not
+                // have reached the controller's table yet.
+                match check {
+                    DependencyCheck::Refused(_) | DependencyCheck::Unsure(_)
+                        if tries < UNKNOWN_DEPENDENCY_TRIES =>
+                    {
+                        tokio::time::sleep(UNKNOWN_DEPENDENCY_RETRY).await;
+                    }
+                    other => break other,
+                }
+            };
+            match check {
+                DependencyCheck::Known(full) => *id = full,
+                DependencyCheck::Hidden => {}
+                DependencyCheck::Unsure(problem) => {
+                    eprintln!("vq: warning: dependency {id}: {problem}; submitted as written");
+                }
+                DependencyCheck::Refused(problem) => {
+                    return Err(SubmitError::Dependency {
+                        id: id.clone(),
+                        problem,
+                    }
+                    .into())
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Publishes `job` to its pool queue with a publisher confirm: routing key =
-/// pool, mandatory, `message_id` = job id, `user_id` = `broker_user`.
+/// pool, mandatory, `message_id` = job id, `user_id` = `broker_user`. A job
+/// with dependencies goes to the held exchange instead
+/// ([`Topology::held_exchange`], the controller's held queue), with the
+/// same routing key.
 ///
 /// # Errors
 /// [`CliError::NoSuchPool`] if no queue is bound for the pool,
@@ -438,7 +562,11 @@ pub async fn publish_job(
     let props = amqp::json_properties::<Job>()
         .with_message_id(job.id.as_str().into())
         .with_user_id(broker_user.into());
-    let exchange = topo.jobs_exchange();
+    let exchange = if job.depend.is_empty() {
+        topo.jobs_exchange()
+    } else {
+        topo.held_exchange()
+    };
     let res = amqp::publish_confirmed(
         ch,
         &exchange,
@@ -476,7 +604,8 @@ pub async fn publish_job(
     }
 }
 
-/// Publishes the `queued` event of `job` (whose message body was `body`)
+/// Publishes the `queued` event of `job` (whose message body was `body`),
+/// its `held` event for a job with dependencies,
 /// to the submissions exchange ([`Topology::submitted_exchange`]) with a
 /// publisher confirm, `user_id` = `broker_user`, on its own channel (a
 /// broker refusal closes only that channel). Call it once the job's own
@@ -492,11 +621,20 @@ pub async fn publish_queued(
     broker_user: &str,
     timeout: Duration,
 ) -> Result<(), CliError> {
-    let action = || format!("publish the queued event of job {}", job.id);
+    let word = if job.depend.is_empty() {
+        "queued"
+    } else {
+        "held"
+    };
+    let action = || format!("publish the {word} event of job {}", job.id);
     let ch = amqp::confirm_channel(conn)
         .await
         .map_err(CliError::broker(action()))?;
-    let event = JobEvent::queued(job, body, broker_user);
+    let event = if job.depend.is_empty() {
+        JobEvent::queued(job, body, broker_user)
+    } else {
+        JobEvent::held(job, body, broker_user)
+    };
     let props = amqp::event_properties(&event).with_user_id(broker_user.into());
     let res = amqp::publish_confirmed(
         &ch,
@@ -531,7 +669,7 @@ pub async fn run(
     for w in &built.warnings {
         eprintln!("vq: warning: {w}");
     }
-    let job = built.job;
+    let mut job = built.job;
     let topo = Topology::new(&settings.cluster);
     let conn = amqp::connect(&settings.broker, "vq submit")
         .await
@@ -540,6 +678,10 @@ pub async fn run(
     let result = match &limits {
         Limits::Known(page) => crate::limits::check(page, &job),
         Limits::Unchecked(_) => Ok(()),
+    };
+    let result = match result {
+        Ok(()) => check_dependencies(&conn, settings, &mut job).await,
+        Err(e) => Err(e),
     };
     let result = match result {
         Ok(()) => submit_on(&conn, settings, &topo, &job, &limits, wait).await,
@@ -608,8 +750,13 @@ async fn submit_on(
     .await
     {
         eprintln!(
-            "vq: warning: job {} is queued, but {}; `vq stat` shows it once it starts",
+            "vq: warning: job {} is {}, but {}; `vq stat` shows it once it starts",
             job.id,
+            if job.depend.is_empty() {
+                "queued"
+            } else {
+                "held"
+            },
             crate::term::printable(&vq_common::error::chain(&e))
         );
     }
@@ -711,6 +858,66 @@ mod tests {
         );
         assert!(!j.env.contains_key("FOO"), "no -V, no copy");
         assert_eq!(Job::decode(&j.encode()).unwrap(), j);
+    }
+
+    #[test]
+    fn dependencies_reach_the_job_and_the_command_line_replaces_the_scripts() {
+        use vq_common::messages::DependKind;
+        let script = b"#PBS -W depend=afterok:a1:a2,afterany:b1\necho\n";
+        let b = build_job(script, "job.pbs", flags(&[]), &ctx()).unwrap();
+        let words: Vec<String> = b.job.depend.iter().map(ToString::to_string).collect();
+        assert_eq!(words, ["afterok:a1:a2", "afterany:b1"]);
+        assert_eq!(Job::decode(&b.job.encode()).unwrap(), b.job);
+        let b = build_job(
+            script,
+            "job.pbs",
+            flags(&[('W', Some("depend=afternotok:c1"))]),
+            &ctx(),
+        )
+        .unwrap();
+        assert_eq!(b.job.depend.len(), 1);
+        assert_eq!(b.job.depend[0].kind, DependKind::AfterNotOk);
+        let err =
+            build_job(b"#PBS -W depend=before:1\necho\n", "j", flags(&[]), &ctx()).unwrap_err();
+        assert!(
+            vq_common::error::chain(&err).contains("not supported"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn dependency_ids_are_resolved_refused_or_kept_by_the_tables_answer() {
+        let rec: vq_common::jobs::JobRecord = serde_json::from_value(serde_json::json!({
+            "id": "3f2a9c1e-5b7d.vq", "submission": null, "name": "n", "owner": "bob",
+            "pool": "p", "submitter": null, "state": "running", "letter": "R", "agent": "",
+            "attempt": 1, "exit_status": null, "reason": null, "request": null,
+            "queued_at": null, "started_at": null, "ended_at": null, "usage": null
+        }))
+        .unwrap();
+        assert_eq!(
+            dependency_answer("3f2a", Some(&[rec]), None),
+            DependencyCheck::Known("3f2a9c1e-5b7d.vq".into())
+        );
+        assert!(matches!(
+            dependency_answer("zz", None, Some("unknown job id \"zz\"")),
+            DependencyCheck::Refused(p) if p.contains("unknown job id")
+        ));
+        assert!(matches!(
+            dependency_answer("3", None, Some("job id \"3\" is ambiguous: 3a, 3b")),
+            DependencyCheck::Refused(_)
+        ));
+        assert!(matches!(
+            dependency_answer(
+                "zz",
+                None,
+                Some("unknown job id \"zz\" (the controller is still reading the event stream)")
+            ),
+            DependencyCheck::Unsure(_)
+        ));
+        assert_eq!(
+            dependency_answer("b1", None, Some("job b1 is not yours (owner bob): ...")),
+            DependencyCheck::Hidden
+        );
     }
 
     #[test]

@@ -151,6 +151,64 @@ pub struct Job {
     /// Submission time, Unix seconds.
     #[serde(default)]
     pub submitted_at: u64,
+    /// Dependencies (PBS `-W depend=`): the job is held until every one is
+    /// satisfied ([`Dependency`]); empty (and absent on the wire) for a job
+    /// that waits for nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub depend: Vec<Dependency>,
+}
+
+/// How a [`Dependency`] is satisfied by the jobs it names, as Torque's
+/// `qsub -W depend=` types (qsub(1)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DependKind {
+    /// `afterok`: each job completed with exit status 0.
+    AfterOk,
+    /// `afternotok`: each job ended with a non-zero exit status, or failed
+    /// or was cancelled.
+    AfterNotOk,
+    /// `afterany`: each job ended, in any way.
+    AfterAny,
+}
+
+impl DependKind {
+    /// Every kind, in Torque's order.
+    pub const ALL: [DependKind; 3] = [
+        DependKind::AfterOk,
+        DependKind::AfterNotOk,
+        DependKind::AfterAny,
+    ];
+
+    /// The Torque word: `afterok`, `afternotok`, `afterany`.
+    pub fn word(self) -> &'static str {
+        match self {
+            DependKind::AfterOk => "afterok",
+            DependKind::AfterNotOk => "afternotok",
+            DependKind::AfterAny => "afterany",
+        }
+    }
+}
+
+/// One dependency of a job (PBS `-W depend=<kind>:<id>[:<id>...]`): the
+/// job may run only once every job of `jobs` has ended as `kind` asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Dependency {
+    /// How the jobs must end.
+    pub kind: DependKind,
+    /// Ids of the jobs depended on (at least one).
+    pub jobs: Vec<String>,
+}
+
+impl std::fmt::Display for Dependency {
+    /// Torque's form, `afterok:12:13`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind.word())?;
+        for j in &self.jobs {
+            write!(f, ":{j}")?;
+        }
+        Ok(())
+    }
 }
 
 fn default_true() -> bool {
@@ -273,6 +331,16 @@ pub enum JobState {
         /// What the job asks for.
         request: JobRequest,
     },
+    /// The job was submitted with dependencies ([`Job::depend`]): its
+    /// message is in the held queue `<c>.held`, not in a pool queue, until
+    /// the controller releases it (then publishes its [`JobState::Queued`],
+    /// which moves it from `H` to `Q`) or cancels it
+    /// ([`JobState::Withdrawn`] with a reason). Published by the submitter
+    /// as `queued` is, on the submissions exchange.
+    Held {
+        /// What the job asks for, its dependencies included.
+        request: JobRequest,
+    },
     /// The agent took the job and started it.
     Started,
     /// The job ran and ended; see `outcome`.
@@ -296,15 +364,22 @@ pub enum JobState {
     Withdrawn {
         /// The broker user that cancelled it.
         by: String,
+        /// Why, when it is not a user's `vq cancel`: e.g. `dependency
+        /// afterok:123 can never be satisfied: 123 exited 1` (a held job
+        /// cancelled by the controller). Absent for a user's cancel.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
     },
 }
 
 impl JobState {
-    /// The last part of the routing key: `started`, `finished` or `failed`;
+    /// The last part of the routing key: `queued`, `held`, `started`,
+    /// `finished` or `failed`;
     /// a finished job whose outcome is `cancelled` is `cancelled`.
     pub fn routing_word(&self) -> &'static str {
         match self {
             JobState::Queued { .. } => "queued",
+            JobState::Held { .. } => "held",
             JobState::Started => "started",
             JobState::Finished {
                 outcome: Outcome::Cancelled,
@@ -358,6 +433,9 @@ pub struct JobRequest {
     /// [`Job::submitted_at`], Unix seconds.
     #[serde(default)]
     pub submitted_at: u64,
+    /// [`Job::depend`]: empty (and absent) when the job waits for nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub depend: Vec<Dependency>,
 }
 
 impl Default for JobRequest {
@@ -376,6 +454,7 @@ impl Default for JobRequest {
             rerunnable: false,
             submit_host: String::new(),
             submitted_at: 0,
+            depend: Vec::new(),
         }
     }
 }
@@ -396,6 +475,7 @@ impl JobRequest {
             rerunnable: job.rerunnable,
             submit_host: job.submit_host.clone(),
             submitted_at: job.submitted_at,
+            depend: job.depend.clone(),
         }
     }
 }
@@ -514,6 +594,17 @@ impl JobEvent {
         e
     }
 
+    /// The `held` event of `job` (a job with [`Job::depend`]), whose message
+    /// body is `body`, submitted by broker user `submitter`: as
+    /// [`JobEvent::queued`], for a job published to the held queue.
+    pub fn held(job: &Job, body: &[u8], submitter: &str) -> JobEvent {
+        let mut e = JobEvent::queued(job, body, submitter);
+        e.state = JobState::Held {
+            request: JobRequest::of(job),
+        };
+        e
+    }
+
     /// Decodes a job event as the broker delivered it: with routing key
     /// `routing_key` and the broker-validated AMQP `user_id` of its
     /// publisher. The routing key must say what the body says
@@ -539,7 +630,7 @@ impl JobEvent {
                 says,
             });
         }
-        if matches!(ev.state, JobState::Queued { .. }) {
+        if matches!(ev.state, JobState::Queued { .. } | JobState::Held { .. }) {
             ev.submitter = user_id.map(str::to_string);
         }
         Ok(ev)
@@ -557,7 +648,7 @@ impl JobEvent {
     /// retransmission of one state change, so consumers deduplicate on it
     /// (an unknown publish outcome is resolved by publishing again):
     ///
-    /// * `<job_id>.<submission>.queued`;
+    /// * `<job_id>.<submission>.queued`, `<job_id>.<submission>.held`;
     /// * `<job_id>.<submission>.started.<attempt>`;
     /// * `<job_id>.<submission>.finished`, `….cancelled`, `….failed`: the
     ///   job's one final result;

@@ -20,7 +20,7 @@
 
 use std::fmt;
 
-use crate::messages::Join;
+use crate::messages::{DependKind, Dependency, Join, MAX_JOB_ID_BYTES};
 use crate::topology::valid_name;
 
 /// Longest accepted job name, in characters. Torque's server limit
@@ -206,6 +206,9 @@ pub struct Directives {
     pub umask: Option<u32>,
     /// `-W group_list=`: group the job runs as.
     pub group: Option<String>,
+    /// `-W depend=`: dependencies ([`parse_depend`]); several `-W depend=`
+    /// of one source accumulate.
+    pub depend: Vec<Dependency>,
     /// Options accepted but ignored, and directives after the first command.
     pub warnings: Vec<Warning>,
 }
@@ -323,6 +326,14 @@ impl Directives {
             rerunnable: cli.rerunnable.or(self.rerunnable),
             umask: cli.umask.or(self.umask),
             group: cli.group.or(self.group),
+            // Like a scalar: dependencies given on the command line replace
+            // the script's (a user resubmitting a script with other
+            // dependencies must not get both).
+            depend: if cli.depend.is_empty() {
+                self.depend
+            } else {
+                cli.depend
+            },
             warnings,
         }
     }
@@ -408,10 +419,10 @@ impl Directives {
         Ok(())
     }
 
-    /// `-W attr=value[,attr=value]`. `umask` and `group_list` are honoured;
-    /// `depend`, `stagein` and `stageout` are refused because running the job
-    /// without them would change its meaning; other attributes are ignored
-    /// with a warning.
+    /// `-W attr=value[,attr=value]`. `umask`, `group_list` and `depend`
+    /// ([`parse_depend`]) are honoured; `stagein` and `stageout` are refused
+    /// because running the job without them would change its meaning; other
+    /// attributes are ignored with a warning.
     fn apply_attributes(&mut self, value: &str, line: Option<usize>) -> Result<(), PbsError> {
         // group_list itself may be a comma list (`grp@host,grp2`), so split
         // on commas only before a word followed by '='.
@@ -419,7 +430,8 @@ impl Directives {
             match attr {
                 "umask" => self.umask = Some(parse_umask(val)?),
                 "group_list" => self.group = Some(parse_group_list(val)?),
-                "depend" | "stagein" | "stageout" => {
+                "depend" => self.depend.extend(parse_depend(val)?),
+                "stagein" | "stageout" => {
                     return Err(PbsError::invalid(
                         'W',
                         value,
@@ -464,6 +476,76 @@ fn split_attributes(value: &str) -> Vec<(&str, &str)> {
         i += 1;
     }
     out
+}
+
+/// Parses a `-W depend=` value, Torque's `type:id[:id...][,type:id...]`
+/// (qsub(1), "depend"), for the types vq honours: `afterok`, `afternotok`
+/// and `afterany` ([`DependKind`]). Ids are kept as written (at most
+/// [`MAX_JOB_ID_BYTES`] bytes, no blanks); a type listed twice keeps both
+/// entries (all must hold).
+///
+/// # Errors
+/// [`PbsError::InvalidValue`] for option `W`: an empty list or entry, a
+/// type without ids (`afterok`, `afterok:`), an empty or over-long id, or
+/// a type vq does not support (`before`, `beforeok`, `after`, `syncwith`,
+/// `on`, …: named as unsupported, with the supported ones).
+pub fn parse_depend(value: &str) -> Result<Vec<Dependency>, PbsError> {
+    let bad = |reason: String| PbsError::invalid('W', &format!("depend={value}"), reason);
+    if value.is_empty() {
+        return Err(bad("empty dependency list".into()));
+    }
+    let mut out = Vec::new();
+    for entry in value.split(',') {
+        let mut parts = entry.split(':');
+        let word = parts.next().unwrap_or("");
+        let kind = match DependKind::ALL.into_iter().find(|k| k.word() == word) {
+            Some(k) => k,
+            None if word.is_empty() => return Err(bad("empty dependency".into())),
+            None if matches!(
+                word,
+                "after"
+                    | "before"
+                    | "beforeok"
+                    | "beforenotok"
+                    | "beforeany"
+                    | "on"
+                    | "syncwith"
+                    | "synccount"
+            ) =>
+            {
+                return Err(bad(format!(
+                    "dependency type {word:?} is not supported by vq (supported: afterok, afternotok, afterany)"
+                )))
+            }
+            None => {
+                return Err(bad(format!(
+                    "unknown dependency type {word:?} (supported: afterok, afternotok, afterany)"
+                )))
+            }
+        };
+        let jobs: Vec<String> = parts.map(str::to_string).collect();
+        if jobs.is_empty() {
+            return Err(bad(format!(
+                "{word} names no job (expected {word}:ID[:ID...])"
+            )));
+        }
+        for id in &jobs {
+            if id.is_empty() {
+                return Err(bad(format!("empty job id in {entry:?}")));
+            }
+            if id.len() > MAX_JOB_ID_BYTES {
+                return Err(bad(format!(
+                    "job id of {} bytes (at most {MAX_JOB_ID_BYTES})",
+                    id.len()
+                )));
+            }
+            if id.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(bad(format!("job id {id:?} contains a blank")));
+            }
+        }
+        out.push(Dependency { kind, jobs });
+    }
+    Ok(out)
 }
 
 fn parse_umask(val: &str) -> Result<u32, PbsError> {

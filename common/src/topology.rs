@@ -13,7 +13,8 @@
 //! | `<c>.jobs.dead` | quorum queue | dead-lettered jobs, reason in headers |
 //! | `<c>.dead.watch` | quorum queue bound to `<c>.dead` | a copy of every dead letter, consumed by the controller: it publishes `job.<pool>.failed` for those RabbitMQ made |
 //! | `<c>.events` | topic exchange | `job.<pool>.<state>`, `agent.<pool>.<kind>` |
-//! | `<c>.submitted` | topic exchange, bound into `<c>.events` for `job.*.queued` | submitters' `queued` events |
+//! | `<c>.submitted` | topic exchange, bound into `<c>.events` for `job.*.queued` and `job.*.held` | submitters' `queued` and `held` events |
+//! | `<c>.hold` | direct exchange → quorum queue `<c>.held` (routing key = pool), dead-letters to `<c>.dead` | jobs with dependencies, until the controller releases them into their pool |
 //! | `<c>.events.log` | stream | retained job events for `vq stat` |
 //! | `<c>.demand` | fanout exchange → classic queue `<c>.demand` (single active consumer) | bridge demand |
 //! | `<c>.control` | direct exchange, routing key = agent id | drain, resume, ask-delete, cancel |
@@ -35,6 +36,10 @@ use std::fmt;
 /// Binding key of the submissions exchange into the events exchange
 /// ([`Topology::submitted_exchange`]).
 pub const SUBMITTED_BINDING: &str = "job.*.queued";
+
+/// Second binding key of the submissions exchange into the events
+/// exchange: the `held` events of jobs with dependencies.
+pub const HELD_BINDING: &str = "job.*.held";
 
 /// Default cluster name.
 pub const DEFAULT_CLUSTER: &str = "vq";
@@ -195,15 +200,53 @@ impl Topology {
     }
 
     /// Topic exchange where submitters (`vq submit`, bridges) publish the
-    /// `queued` event of each job they submitted (routing key
-    /// `job.<pool>.queued`). It is bound into [`Topology::events_exchange`]
-    /// for `job.*.queued` only ([`SUBMITTED_BINDING`]), so a submitter can
-    /// add `queued` events to the event stream and nothing else: the
+    /// `queued` (or `held`) event of each job they submitted (routing key
+    /// `job.<pool>.queued`, `job.<pool>.held`). It is bound into
+    /// [`Topology::events_exchange`] for `job.*.queued` and `job.*.held`
+    /// only ([`SUBMITTED_BINDING`], [`HELD_BINDING`]), so a submitter can
+    /// add those events to the event stream and nothing else: the
     /// events exchange itself stays writable by agents and the controller
     /// alone. Readers take a `queued` event's submitter from its
     /// broker-validated `user_id`.
     pub fn submitted_exchange(&self) -> String {
         format!("{}.submitted", self.cluster)
+    }
+
+    /// Direct exchange of held jobs (jobs with dependencies): submitters
+    /// publish such a job here (routing key = its pool, mandatory,
+    /// confirmed) instead of to [`Topology::jobs_exchange`]. Its name
+    /// differs from the queue's on purpose: submitters get write on this
+    /// exchange only, and write on a queue would let them bind
+    /// [`Topology::held_queue`] to an exchange they can read (the events).
+    pub fn held_exchange(&self) -> String {
+        format!("{}.hold", self.cluster)
+    }
+
+    /// The held queue: every held job of the cluster, consumed by the
+    /// leading controller only, which releases a job into its pool when its
+    /// dependencies are satisfied (DESIGN.md, "Held jobs and
+    /// dependencies"). Bound to [`Topology::held_exchange`] once per
+    /// configured pool (routing key = pool), so a held job for a pool the
+    /// controller does not serve is unroutable and `vq submit` says so, as
+    /// for a pool queue.
+    pub fn held_queue(&self) -> String {
+        format!("{}.held", self.cluster)
+    }
+
+    /// Arguments of the held queue: a quorum queue with a single active
+    /// consumer (two controllers overlapping for a moment never both hold
+    /// held jobs) that dead-letters to [`Topology::dead_exchange`], without
+    /// a delivery limit (every change of leader redelivers every held job:
+    /// a limit would dead-letter jobs held for long).
+    pub fn held_queue_args(&self) -> QueueArgs {
+        vec![
+            ("x-queue-type", ArgValue::Str("quorum".into())),
+            ("x-single-active-consumer", ArgValue::Bool(true)),
+            (
+                "x-dead-letter-exchange",
+                ArgValue::Str(self.dead_exchange()),
+            ),
+        ]
     }
 
     /// Stream retaining job events (`job.#`) for `vq stat`.
@@ -495,7 +538,9 @@ impl Permissions {
         let (configure, write, read) = match role {
             Role::Submitter => (
                 r"^amq\.gen-.*".to_string(),
-                format!(r"^({c}\.jobs|{c}\.submitted|{c}\.demand|{c}\.control|amq\.gen-.*)$"),
+                format!(
+                    r"^({c}\.jobs|{c}\.hold|{c}\.submitted|{c}\.demand|{c}\.control|amq\.gen-.*)$"
+                ),
                 format!(r"^({c}\.events|{c}\.events\.log|{c}\.replies|amq\.gen-.*)$"),
             ),
             Role::Controller => {
@@ -550,6 +595,10 @@ mod tests {
         assert_eq!(t.lease_queue("farm1-cms-1"), "farm1.lease.farm1-cms-1");
         assert_eq!(t.fence_queue(), "farm1.fence");
         assert_eq!(t.dead_watch_queue(), "farm1.dead.watch");
+        assert_eq!(
+            (t.held_exchange(), t.held_queue()),
+            ("farm1.hold".to_string(), "farm1.held".to_string())
+        );
         assert_eq!(t.lease_exchange(), "farm1.lease");
         assert!(!valid_name(&t.probe_key()));
     }

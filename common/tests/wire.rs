@@ -101,6 +101,33 @@ fn every_fixture_survives_a_round_trip() {
     );
     let w: JobEvent = round_trip("job-event-withdrawn.json");
     assert_eq!(w.state.routing_word(), "cancelled");
+    assert!(matches!(w.state, JobState::Withdrawn { reason: None, .. }));
+    let never: JobEvent = round_trip("job-event-withdrawn-reason.json");
+    assert!(matches!(
+        &never.state,
+        JobState::Withdrawn { reason: Some(r), .. } if r.contains("can never be satisfied")
+    ));
+    // A job without dependencies carries no `depend` (older readers), one
+    // with them carries them in its message and its held event.
+    assert!(job.depend.is_empty());
+    let dependent: Job = round_trip("job-depend.json");
+    assert_eq!(
+        dependent
+            .depend
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        [
+            "afterok:3f2a9c1e-5b7d-4e1a-9c0b-2d6f8e4a1b3c:9e",
+            "afterany:5a"
+        ]
+    );
+    let held: JobEvent = round_trip("job-event-held.json");
+    assert_eq!(held.state.routing_word(), "held");
+    match &held.state {
+        JobState::Held { request } => assert_eq!(request.depend, dependent.depend),
+        other => panic!("{other:?}"),
+    }
     let req: CancelRequest = round_trip("cancel-request.json");
     assert_eq!(req.job_id, "3f2a9c1e");
     assert!(matches!(
@@ -177,6 +204,10 @@ fn every_state_change_has_its_own_stable_message_id() {
         format!("{id}.5c1d7e9a0b3f2468.queued")
     );
     assert_eq!(
+        ev("job-event-held.json"),
+        "7b1e0d4c-2a9f-4c3e-8d5b-6f0a1c2e3d4f.5c1d7e9a0b3f2468.held"
+    );
+    assert_eq!(
         ev("job-event-withdrawn.json"),
         format!("{id}.5c1d7e9a0b3f2468.withdrawn")
     );
@@ -250,6 +281,12 @@ fn a_delivered_job_event_must_be_routed_as_its_body_says() {
     assert_eq!(got.submitter.as_deref(), Some("bob"));
     let got = JobEvent::decode_delivered(&queued, &key("queued"), None).unwrap();
     assert_eq!(got.submitter, None);
+    // So is a held event's, which must be routed as `held`.
+    let held = fixture("job-event-held.json");
+    let got = JobEvent::decode_delivered(&held, &key("held"), Some("bob")).unwrap();
+    assert_eq!(got.submitter.as_deref(), Some("bob"));
+    let err = JobEvent::decode_delivered(&held, &key("queued"), Some("bob")).unwrap_err();
+    assert!(matches!(err, DecodeError::Misrouted { .. }), "{err}");
     // Other events keep the submitter the agent judged the job by.
     let sub = fixture("job-event-finished-submission.json");
     let e = JobEvent::decode(&sub).unwrap();

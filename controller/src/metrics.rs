@@ -32,6 +32,8 @@ pub struct Metrics {
     pub pool_queued: Family<Labels, Gauge>,
     /// Jobs running per pool.
     pub pool_running: Family<Labels, Gauge>,
+    /// Held jobs (waiting for dependencies) the leader holds, per pool.
+    pub pool_held: Family<Labels, Gauge>,
     /// Target VMs per pool.
     pub pool_target: Family<Labels, Gauge>,
     /// VMs per pool and state (`booting`, `active`, `draining`, `error`).
@@ -169,7 +171,7 @@ pub fn cloud_op(op: &str) -> &'static str {
 /// ([`failure_reason`]).
 pub fn job_end_labels(event: &JobEvent) -> Option<(&'static str, &'static str)> {
     Some(match &event.state {
-        JobState::Queued { .. } | JobState::Started => return None,
+        JobState::Queued { .. } | JobState::Held { .. } | JobState::Started => return None,
         JobState::Withdrawn { .. } => ("cancelled", "withdrawn"),
         JobState::Finished { outcome, .. } => match outcome {
             Outcome::Cancelled => ("cancelled", "cancelled"),
@@ -235,6 +237,7 @@ impl Metrics {
             registry: Registry::default(),
             pool_queued: Family::default(),
             pool_running: Family::default(),
+            pool_held: Family::default(),
             pool_target: Family::default(),
             pool_vms: Family::default(),
             created: Family::default(),
@@ -306,6 +309,11 @@ impl Metrics {
             "vq_pool_queued",
             "Jobs waiting in the pool",
             m.pool_queued.clone(),
+        );
+        registry.register(
+            "vq_pool_held",
+            "Held jobs (with dependencies not yet satisfied) the leading controller holds in the pool; 0 on a standby",
+            m.pool_held.clone(),
         );
         registry.register(
             "vq_pool_running",
@@ -533,6 +541,11 @@ impl Metrics {
             .inc();
     }
 
+    /// Sets `vq_pool_held{pool}` to `n` held jobs.
+    pub fn set_pool_held(&self, pool: &str, n: i64) {
+        self.pool_held.get_or_create(&Self::pool(pool)).set(n);
+    }
+
     /// Sets `vq_pool_obstacle{pool,kind}`: 1 for `kind` (`None`: no
     /// obstacle), 0 for every other kind.
     pub fn pool_obstacle_kind(&self, pool: &str, kind: Option<&str>) {
@@ -644,6 +657,7 @@ mod tests {
         for g in [&m.pool_queued, &m.pool_running, &m.pool_target] {
             g.get_or_create(&cms).set(1);
         }
+        m.set_pool_held("cms", 2);
         m.pool_vms.get_or_create(&cms_and("state", "active")).set(1);
         m.pool_agents
             .get_or_create(&cms_and("state", "idle"))
@@ -664,6 +678,7 @@ mod tests {
             ("vq_pool_last_success_timestamp_seconds", "gauge"),
             ("vq_pool_queued", "gauge"),
             ("vq_pool_running", "gauge"),
+            ("vq_pool_held", "gauge"),
             ("vq_pool_target_vms", "gauge"),
             ("vq_pool_vms", "gauge"),
             ("vq_pool_agents", "gauge"),

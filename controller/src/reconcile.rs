@@ -804,6 +804,7 @@ pub async fn run(
         cfg.pools.keys().cloned().collect(),
     )
     .with_job_table(jobs.clone(), cfg.jobs.keep_completed_secs)
+    .with_depend_grace(cfg.jobs.depend_grace_secs)
     .with_job_queries(vq_common::jobs::Visibility {
         query_other_jobs: cfg.jobs.query_other_jobs,
         operators: cfg.jobs.operators.clone(),

@@ -36,6 +36,7 @@ fn served_names() -> BTreeSet<String> {
     for g in [
         &m.pool_queued,
         &m.pool_running,
+        &m.pool_held,
         &m.pool_target,
         &m.pool_servers_stuck_deleting,
         &m.pool_breaker_open,

@@ -47,6 +47,15 @@ pub enum Rejection {
         /// Limit, bytes.
         limit: usize,
     },
+    /// The job has dependencies (`-W depend=`) but did not come from the
+    /// controller's release (its `user_id` is no requeuer): it was
+    /// published straight to the pool queue and would run without waiting
+    /// for them.
+    #[error("job has dependencies ({depend}) but was published to the pool queue, not released by the controller: publish it to the held exchange <cluster>.hold instead")]
+    NotReleased {
+        /// The dependencies, e.g. `afterok:12`.
+        depend: String,
+    },
     /// The message carries no broker-validated `user_id`.
     #[error("job message has no AMQP user_id, so its submitter is unknown")]
     NoSubmitter,

@@ -166,25 +166,34 @@ pub(crate) async fn handle_delivery(
         // returning a lost node's job) is judged by the original submitter.
         let submitter = judged_submitter(&ctx, &delivery.properties);
         let pool_queue = ctx.topo.pool_queue(&ctx.cfg.pool);
+        // A job with dependencies runs only as the controller released it.
+        let user_id = delivery.properties.user_id().as_ref().map(|u| u.as_str());
+        let decoded = decoded.map(|job| {
+            let released = crate::plan::check_released(&job, user_id, &ctx.cfg.submitters);
+            (job, released)
+        });
         let refused = match decoded {
             Err(e) => Some((None, Rejection::Malformed(e))),
-            Ok(job) => match plan_job_async(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys).await {
-                Err(rej) => Some((Some(job), rej)),
-                Ok(plan) => {
-                    let ticket = Ticket {
-                        key: key.clone(),
-                        job,
-                        body: delivery.data.clone(),
-                        props: delivery.properties.clone(),
-                        submitter,
-                        cancel,
-                        claim,
-                        losses: header_u32(&delivery.properties, LOSSES_HEADER),
-                    };
-                    claim_and_run(&ctx, &delivery, ticket, plan, &jobs_ch, &pool_queue).await;
-                    None
+            Ok((job, Err(rej))) => Some((Some(job), rej)),
+            Ok((job, Ok(()))) => {
+                match plan_job_async(&job, submitter.as_deref(), &ctx.cfg, &ctx.sys).await {
+                    Err(rej) => Some((Some(job), rej)),
+                    Ok(plan) => {
+                        let ticket = Ticket {
+                            key: key.clone(),
+                            job,
+                            body: delivery.data.clone(),
+                            props: delivery.properties.clone(),
+                            submitter,
+                            cancel,
+                            claim,
+                            losses: header_u32(&delivery.properties, LOSSES_HEADER),
+                        };
+                        claim_and_run(&ctx, &delivery, ticket, plan, &jobs_ch, &pool_queue).await;
+                        None
+                    }
                 }
-            },
+            }
         };
         if let Some((job, rej)) = refused {
             refuse(

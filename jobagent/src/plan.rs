@@ -12,7 +12,7 @@ use std::ffi::CString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use vq_common::config::AgentConfig;
+use vq_common::config::{AgentConfig, SubmitterRules};
 use vq_common::messages::{Job, Join};
 
 use crate::error::Rejection;
@@ -351,6 +351,28 @@ pub fn check_resources(job: &Job, cfg: &AgentConfig, memory: Option<u64>) -> Res
     Ok(())
 }
 
+/// Refuses a job with dependencies that does not come from the
+/// controller's release: only a `user_id` among `rules.requeuers` (the
+/// controller, which releases held jobs into their pool with the requeue
+/// envelope) may deliver one; anyone else published it straight to the
+/// pool queue, where it would run without waiting.
+///
+/// # Errors
+/// [`Rejection::NotReleased`].
+pub fn check_released(
+    job: &Job,
+    user_id: Option<&str>,
+    rules: &SubmitterRules,
+) -> Result<(), Rejection> {
+    if job.depend.is_empty() || user_id.is_some_and(|u| rules.requeuers.iter().any(|r| r == u)) {
+        return Ok(());
+    }
+    let depend: Vec<String> = job.depend.iter().map(ToString::to_string).collect();
+    Err(Rejection::NotReleased {
+        depend: depend.join(","),
+    })
+}
+
 /// [`plan_job`] on a blocking thread, so that owner and group lookups
 /// (`getent`, each bounded by [`crate::nss::GETENT_TIMEOUT`]; a slow
 /// LDAP/SSSD answers in seconds) never stall the async runtime: heartbeats
@@ -649,6 +671,26 @@ mod tests {
             Err(Rejection::SubmitterNotAllowed { .. })
         ));
         assert!(plan_job(&job("alice"), Some("bridge"), &c, &s).is_ok());
+    }
+
+    #[test]
+    fn a_job_with_dependencies_runs_only_when_the_controller_released_it() {
+        let mut rules = cfg().submitters;
+        rules.requeuers.push("vq-controller".into());
+        let mut j = job("alice");
+        assert!(check_released(&j, Some("alice"), &rules).is_ok());
+        j.depend = vec![vq_common::messages::Dependency {
+            kind: vq_common::messages::DependKind::AfterOk,
+            jobs: vec!["12".into()],
+        }];
+        assert!(check_released(&j, Some("vq-controller"), &rules).is_ok());
+        for user in [Some("alice"), Some("bridge"), None] {
+            let err = check_released(&j, user, &rules).unwrap_err();
+            assert!(
+                err.to_string().contains("dependencies (afterok:12)"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

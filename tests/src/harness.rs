@@ -601,6 +601,7 @@ impl TestBroker {
             self.topo.dead_queue(),
             self.topo.event_log_queue(),
             self.topo.demand_queue(),
+            self.topo.held_queue(),
         ];
         queues.extend(self.pools.iter().map(|p| self.topo.pool_queue(p)));
         for q in queues {
@@ -614,6 +615,7 @@ impl TestBroker {
             self.topo.events_exchange(),
             self.topo.demand_exchange(),
             self.topo.control_exchange(),
+            self.topo.held_exchange(),
         ] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
@@ -1085,6 +1087,7 @@ pub fn job(pool: &str, owner: &str, name: &str, script: &str) -> Job {
         umask: None,
         submit_host: "submit.test".into(),
         submitted_at: 0,
+        depend: Vec::new(),
     }
 }
 

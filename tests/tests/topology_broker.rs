@@ -79,7 +79,42 @@ async fn topology_is_declared_idempotently_and_routes_demand() {
     .unwrap_err();
     assert!(matches!(err, AmqpError::Unroutable { .. }), "{err}");
 
+    // Held jobs: routed by pool into the one held queue, refused for a
+    // pool the controller does not serve.
+    for pool in ["a", "b"] {
+        amqp::publish_confirmed(
+            &ch,
+            &topo.held_exchange(),
+            pool,
+            pool.as_bytes(),
+            Default::default(),
+            true,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    }
+    // (A single-active-consumer quorum queue refuses basic.get: count.)
+    let held = amqp::inspect_queue(&ch, &topo.held_queue(), "inspect the held queue")
+        .await
+        .unwrap()
+        .expect("the held queue exists");
+    assert_eq!(held.message_count(), 2, "both held jobs routed");
+    let err = amqp::publish_confirmed(
+        &ch,
+        &topo.held_exchange(),
+        "nosuchpool",
+        b"{}",
+        Default::default(),
+        true,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, AmqpError::Unroutable { .. }), "{err}");
+
     for q in [
+        topo.held_queue(),
         topo.pool_queue("a"),
         topo.pool_queue("b"),
         topo.dead_queue(),

@@ -11,7 +11,7 @@ use lapin::Channel;
 
 use super::{bounded, lapin_reply_code, AmqpError, NOT_FOUND, PRECONDITION_FAILED};
 use crate::topology::{
-    ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS, SUBMITTED_BINDING,
+    ArgValue, ExchangeKind, QueueArgs, Topology, ALL_JOB_EVENTS, HELD_BINDING, SUBMITTED_BINDING,
 };
 
 /// Converts queue arguments to an AMQP field table.
@@ -183,7 +183,8 @@ pub async fn declare_exchanges(ch: &Channel, topo: &Topology) -> Result<(), Amqp
 }
 
 /// Declares the submissions exchange and binds it into the events exchange
-/// for [`SUBMITTED_BINDING`] only ([`Topology::submitted_exchange`]).
+/// for [`SUBMITTED_BINDING`] and [`HELD_BINDING`] only
+/// ([`Topology::submitted_exchange`]).
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -191,31 +192,35 @@ pub async fn declare_submitted_exchange(ch: &Channel, topo: &Topology) -> Result
     let source = topo.submitted_exchange();
     let destination = topo.events_exchange();
     declare_exchange(ch, &source, ExchangeKind::Topic).await?;
-    bounded(
-        &format!("bind exchange {destination} to {source}"),
-        DECLARE_TIMEOUT,
-        async {
-            ch.exchange_bind(
-                destination.as_str().into(),
-                source.as_str().into(),
-                SUBMITTED_BINDING.into(),
-                ExchangeBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|source| AmqpError::Declare {
-                name: destination.clone(),
-                source,
-            })
-        },
-    )
-    .await
+    for key in [SUBMITTED_BINDING, HELD_BINDING] {
+        bounded(
+            &format!("bind exchange {destination} to {source} ({key})"),
+            DECLARE_TIMEOUT,
+            async {
+                ch.exchange_bind(
+                    destination.as_str().into(),
+                    source.as_str().into(),
+                    key.into(),
+                    ExchangeBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| AmqpError::Declare {
+                    name: destination.clone(),
+                    source,
+                })
+            },
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Declares the whole topology (the controller's part): exchanges (the
 /// submissions exchange included), the dead-letter queue, the job-event stream, the demand queue, the fence
-/// queue and its exchange, the agent registry and the pool queues of
-/// `pools`. Idempotent.
+/// queue and its exchange, the agent registry, the pool queues of
+/// `pools`, and the held exchange and queue, bound for each of `pools`.
+/// Idempotent.
 ///
 /// # Errors
 /// [`AmqpError::Declare`].
@@ -262,8 +267,17 @@ pub async fn declare_topology<'a>(
     )
     .await?;
     declare_agents_queue(ch, topo).await?;
+    declare_exchange(ch, &topo.held_exchange(), ExchangeKind::Direct).await?;
     for pool in pools {
         declare_pool_queue(ch, topo, pool).await?;
+        declare_bound_queue(
+            ch,
+            &topo.held_queue(),
+            &topo.held_queue_args(),
+            &topo.held_exchange(),
+            pool,
+        )
+        .await?;
     }
     Ok(())
 }

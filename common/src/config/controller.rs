@@ -228,6 +228,13 @@ pub struct JobsSection {
     /// Broker users that see every job in `vq stat` whatever
     /// `query_other_jobs` says (Torque's managers and operators).
     pub operators: Vec<String>,
+    /// Seconds after its submission (`submitted_at`) that a held job may
+    /// name a dependency the job table does not know before the controller
+    /// cancels it (default 120): `vq submit` checks the ids when a
+    /// controller answers, but a job submitted without that check, or
+    /// whose dependency's own `queued` event has not reached the table
+    /// yet, must not be cancelled at once.
+    pub depend_grace_secs: u64,
 }
 
 impl Default for JobsSection {
@@ -237,6 +244,7 @@ impl Default for JobsSection {
             api_token_file: None,
             query_other_jobs: false,
             operators: Vec::new(),
+            depend_grace_secs: 120,
         }
     }
 }

@@ -190,7 +190,11 @@ pub fn decide(
         );
     }
     match r.state {
-        State::Queued => CancelStep::Withdraw(Box::new(r)),
+        // A held job is withdrawn alike: its claim marker taken, no agent
+        // runs it even if the controller's release raced the cancel, and
+        // the held queue's consumer drops a held message whose job the
+        // table shows cancelled.
+        State::Queued | State::Held => CancelStep::Withdraw(Box::new(r)),
         State::Running => CancelStep::Answer(CancelAnswer::Running {
             job_id: r.id.clone(),
             agent: r.agent.clone(),
@@ -266,6 +270,24 @@ mod tests {
             ask(&t, true, None, "q1"),
             CancelStep::Answer(CancelAnswer::Refused { retry: false, .. })
         ));
+        // A held job is withdrawn as a queued one.
+        let mut t = t;
+        let mut h = JobEvent::about(
+            None,
+            "h1",
+            "p",
+            "",
+            Some("bridge"),
+            JobState::Held {
+                request: JobRequest::default(),
+            },
+        );
+        h.owner = "alice".into();
+        t.apply(&h, None);
+        assert!(matches!(
+            ask(&t, true, Some("alice"), "h1"),
+            CancelStep::Withdraw(r) if r.state == State::Held
+        ));
     }
 
     #[test]
@@ -293,7 +315,10 @@ mod tests {
             "p",
             "",
             None,
-            JobState::Withdrawn { by: "bob".into() },
+            JobState::Withdrawn {
+                by: "bob".into(),
+                reason: None,
+            },
         );
         w.at = 3.0;
         t.apply(&w, None);

@@ -3,9 +3,11 @@
 //! controller keeps it current from the event stream, `vq stat
 //! --from-stream` and `vq cancel` build it from one read of the stream);
 //! [`query`] holds the messages with which `vq stat` asks the controller
-//! for a page of it over AMQP, and the rule of who sees which job.
+//! for a page of it over AMQP, and the rule of who sees which job;
+//! [`depend`] decides when a held job may run.
 
 pub mod cancel;
+pub mod depend;
 pub mod query;
 pub mod table;
 

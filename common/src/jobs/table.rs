@@ -10,7 +10,8 @@
 //! submitted again after its job ended is another job; an event without a
 //! submission joins the id's latest job. Events are applied in stream
 //! order; a `queued` event never moves a job back (it may reach the stream
-//! after the job's `started`), a later `started` (a rerun after a node
+//! after the job's `started`) but releases a held job (`H`→`Q`), a `held`
+//! event makes `H` only a job nothing else was heard of, a later `started` (a rerun after a node
 //! loss) reopens it, a repeated event (same `message_id`, from a publish
 //! whose confirm was lost) changes nothing. Ended jobs are forgotten
 //! [`JobTable::expire`] seconds after their end, as Torque's
@@ -30,6 +31,9 @@ use crate::messages::{JobEvent, JobRequest, JobState, Outcome};
 pub enum State {
     /// `Q`: in its pool queue.
     Queued,
+    /// `H`: held in `<c>.held` until its dependencies are satisfied
+    /// ([`crate::jobs::depend`]).
+    Held,
     /// `R`: started, no end seen.
     Running,
     /// `C`: completed (exited, signalled, walltime or output limit).
@@ -45,6 +49,7 @@ impl State {
     pub fn letter(self) -> char {
         match self {
             State::Queued => 'Q',
+            State::Held => 'H',
             State::Running => 'R',
             State::Completed => 'C',
             State::Failed => 'F',
@@ -52,10 +57,11 @@ impl State {
         }
     }
 
-    /// Parses a letter (`Q R C F X`, either case).
+    /// Parses a letter (`Q H R C F X`, either case).
     pub fn from_letter(c: char) -> Option<State> {
         Some(match c.to_ascii_uppercase() {
             'Q' => State::Queued,
+            'H' => State::Held,
             'R' => State::Running,
             'C' => State::Completed,
             'F' => State::Failed,
@@ -64,11 +70,12 @@ impl State {
         })
     }
 
-    /// The word for messages (`queued`, `running`, `completed`, `failed`,
-    /// `cancelled`).
+    /// The word for messages (`queued`, `held`, `running`, `completed`,
+    /// `failed`, `cancelled`).
     pub fn word(self) -> &'static str {
         match self {
             State::Queued => "queued",
+            State::Held => "held",
             State::Running => "running",
             State::Completed => "completed",
             State::Failed => "failed",
@@ -170,6 +177,7 @@ struct Req {
     rerunnable: bool,
     submit_host: Name,
     submitted_at: u64,
+    depend: Vec<crate::messages::Dependency>,
 }
 
 impl Req {
@@ -187,6 +195,7 @@ impl Req {
             rerunnable: q.rerunnable,
             submit_host: names.name(&q.submit_host),
             submitted_at: q.submitted_at,
+            depend: q.depend.clone(),
         }
     }
 
@@ -205,6 +214,7 @@ impl Req {
             rerunnable: self.rerunnable,
             submit_host: self.submit_host.to_string(),
             submitted_at: self.submitted_at,
+            depend: self.depend.clone(),
         }
     }
 }
@@ -487,6 +497,23 @@ impl JobTable {
             JobState::Queued { request } => {
                 r.request = Some(Box::new(Req::of(request, names)));
                 r.queued_at.set(Some(ev.at));
+                // The controller's release of a held job; never R→Q.
+                if r.state == State::Held {
+                    r.state = State::Queued;
+                }
+            }
+            JobState::Held { request } => {
+                // Only a job nothing else was heard of: a fresh record
+                // (`Q` without a request). A held event that reaches the
+                // stream after the release (`queued`) or the start never
+                // moves the job back.
+                if r.state == State::Queued && r.request.is_none() {
+                    r.state = State::Held;
+                }
+                if r.request.is_none() || r.state == State::Held {
+                    r.request = Some(Box::new(Req::of(request, names)));
+                    r.queued_at.set(Some(ev.at));
+                }
             }
             JobState::Started => {
                 // A start older than the latest one (reordered copies) does
@@ -526,9 +553,15 @@ impl JobTable {
             // Only a job no agent started: a start that won the race
             // against the withdrawal keeps the job running (its cancel then
             // goes to the agent).
-            JobState::Withdrawn { by } if r.state == State::Queued => {
+            JobState::Withdrawn { by, reason }
+                if matches!(r.state, State::Queued | State::Held) =>
+            {
+                let why = match reason {
+                    Some(reason) => reason.clone(),
+                    None => format!("cancelled by {by} while {}", r.state.word()),
+                };
                 r.state = State::Cancelled;
-                r.reason = Some(names.name(&format!("cancelled by {by} while queued")));
+                r.reason = Some(names.name(&why));
                 r.ended_at.set(Some(ev.at));
             }
             JobState::Withdrawn { .. } => {}
@@ -806,6 +839,89 @@ mod tests {
         assert_eq!(r.state, State::Completed);
         assert!(r.request.is_some());
         assert_eq!(t.len(), 1);
+    }
+
+    fn held(id: &str, sub: &str, at: f64) -> JobEvent {
+        let mut e = queued(id, sub, at);
+        let JobState::Queued { request } = e.state else {
+            unreachable!()
+        };
+        e.state = JobState::Held { request };
+        e
+    }
+
+    #[test]
+    fn a_held_job_is_released_to_queued_then_runs_and_a_late_held_never_moves_it_back() {
+        let mut t = JobTable::new();
+        apply(&mut t, &held("a", "s", 1.0));
+        let r = t.get("a").unwrap();
+        assert_eq!(
+            (r.state, r.letter, r.queued_at),
+            (State::Held, 'H', Some(1.0))
+        );
+        assert!(r.request.is_some());
+        // The controller's release.
+        apply(&mut t, &queued("a", "s", 1.0));
+        assert_eq!(t.get("a").unwrap().state, State::Queued);
+        apply(&mut t, &ev("a", Some("s"), 2.0, JobState::Started));
+        assert_eq!(t.get("a").unwrap().state, State::Running);
+        // Neither a late release nor a late held event moves it back.
+        let mut late = queued("a", "s", 1.0);
+        late.at = 1.5;
+        t.apply(&late, Some("other-id"));
+        apply(&mut t, &held("a", "s", 1.0));
+        assert_eq!(t.get("a").unwrap().state, State::Running);
+        apply(&mut t, &ev("a", Some("s"), 3.0, done(0)));
+        assert_eq!(t.get("a").unwrap().state, State::Completed);
+
+        // A held event after the release (reordered) leaves it queued.
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("b", "s", 1.0));
+        apply(&mut t, &held("b", "s", 1.0));
+        assert_eq!(t.get("b").unwrap().state, State::Queued);
+        assert_eq!(State::from_letter('h'), Some(State::Held));
+    }
+
+    #[test]
+    fn a_held_job_is_cancelled_by_a_user_or_for_its_dependency() {
+        let mut t = JobTable::new();
+        apply(&mut t, &held("a", "s", 1.0));
+        apply(
+            &mut t,
+            &ev(
+                "a",
+                Some("s"),
+                2.0,
+                JobState::Withdrawn {
+                    by: "alice".into(),
+                    reason: None,
+                },
+            ),
+        );
+        let r = t.get("a").unwrap();
+        assert_eq!(
+            (r.letter, r.reason.as_deref(), r.ended_at, r.exit_status),
+            ('X', Some("cancelled by alice while held"), Some(2.0), None)
+        );
+        apply(&mut t, &held("b", "s", 1.0));
+        let why = "dependency afterok:a can never be satisfied: a was cancelled";
+        apply(
+            &mut t,
+            &ev(
+                "b",
+                Some("s"),
+                2.0,
+                JobState::Withdrawn {
+                    by: "vq-controller".into(),
+                    reason: Some(why.into()),
+                },
+            ),
+        );
+        let r = t.get("b").unwrap();
+        assert_eq!((r.letter, r.reason.as_deref()), ('X', Some(why)));
+        // A late release does not revive it.
+        apply(&mut t, &queued("b", "s", 1.0));
+        assert_eq!(t.get("b").unwrap().state, State::Cancelled);
     }
 
     #[test]

@@ -192,7 +192,8 @@ fn errors_name_the_line_and_the_option() {
         "#PBS -S bash",
         "#PBS -W umask=999",
         "#PBS -W umask=01000",
-        "#PBS -W depend=afterok:12",
+        "#PBS -W depend=afterok",
+        "#PBS -W stagein=/a@h:/b",
         "#PBS -v 1BAD=x",
         "#PBS -N has/slash",
         "#PBS -W group_list=-x",
@@ -376,4 +377,76 @@ fn a_command_line_slot_request_overrides_the_scripts() {
     cli.apply_option('l', Some("ncpus=2"), None).unwrap();
     let d = d.overridden_by(cli);
     assert_eq!((d.slots, d.mem), (Some(2), Some(1 << 30)));
+}
+
+#[test]
+fn dependencies_parse_as_torque_writes_them() {
+    use crate::messages::{DependKind, Dependency};
+    let dep = |kind, jobs: &[&str]| Dependency {
+        kind,
+        jobs: jobs.iter().map(|j| j.to_string()).collect(),
+    };
+    assert_eq!(
+        parse_depend("afterok:12").unwrap(),
+        [dep(DependKind::AfterOk, &["12"])]
+    );
+    assert_eq!(
+        parse_depend("afterok:1:2,afterany:3").unwrap(),
+        [
+            dep(DependKind::AfterOk, &["1", "2"]),
+            dep(DependKind::AfterAny, &["3"])
+        ]
+    );
+    assert_eq!(
+        parse_depend("afternotok:a1.vq").unwrap(),
+        [dep(DependKind::AfterNotOk, &["a1.vq"])]
+    );
+    assert_eq!(
+        parse_depend("afterok:1:2,afterany:3").unwrap()[0].to_string(),
+        "afterok:1:2"
+    );
+    for (bad, says) in [
+        ("afterok", "names no job"),
+        ("afterok:", "empty job id"),
+        ("afterok:1::2", "empty job id"),
+        ("", "empty dependency list"),
+        ("afterok:1,", "empty dependency"),
+        ("before:1", "not supported by vq"),
+        ("syncwith:1", "not supported by vq"),
+        ("afterwards:1", "unknown dependency type"),
+    ] {
+        let err = parse_depend(bad).expect_err(bad).to_string();
+        assert!(err.contains(says), "{bad:?}: {err}");
+    }
+    let long = format!("afterok:{}", "x".repeat(MAX_JOB_ID_BYTES + 1));
+    assert!(parse_depend(&long).is_err());
+
+    // In a script, next to other attributes, and accumulated.
+    let d = parse_script(
+        "#PBS -W depend=afterok:1:2,afterany:3,umask=022\n#PBS -W depend=afternotok:4\n",
+    )
+    .unwrap();
+    assert_eq!(d.umask, Some(0o22));
+    assert_eq!(
+        d.depend,
+        [
+            dep(DependKind::AfterOk, &["1", "2"]),
+            dep(DependKind::AfterAny, &["3"]),
+            dep(DependKind::AfterNotOk, &["4"])
+        ]
+    );
+    // The command line's dependencies replace the script's.
+    let mut cli = Directives::default();
+    cli.apply_option('W', Some("depend=afterany:9"), None)
+        .unwrap();
+    assert_eq!(
+        d.clone().overridden_by(cli).depend,
+        [dep(DependKind::AfterAny, &["9"])]
+    );
+    assert_eq!(
+        d.clone().overridden_by(Directives::default()).depend.len(),
+        3
+    );
+    let err = parse_script("#PBS -W depend=before:1\n").unwrap_err();
+    assert_eq!(err.line(), Some(1));
 }

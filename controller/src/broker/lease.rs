@@ -263,8 +263,10 @@ impl Broker {
                     if let Ok(ev) =
                         JobEvent::decode_delivered(&d.data, d.routing_key.as_str(), user_id)
                     {
-                        let is_final =
-                            !matches!(ev.state, JobState::Started | JobState::Queued { .. });
+                        let is_final = !matches!(
+                            ev.state,
+                            JobState::Started | JobState::Queued { .. } | JobState::Held { .. }
+                        );
                         if is_final && ids.contains(&ev.job_id) {
                             found.insert(ev.job_id);
                         }

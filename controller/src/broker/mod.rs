@@ -57,6 +57,9 @@ struct Session {
     /// The demand consumer and its channel, while this controller takes
     /// demand ([`Broker::take_demand`]).
     demand: Option<(JoinHandle<()>, Channel)>,
+    /// The held-queue consumer ([`crate::jobs::held`]) and its channel,
+    /// with the demand consumer (the leader's) when there is a job table.
+    held: Option<(JoinHandle<()>, Channel)>,
 }
 
 /// The controller's broker client.
@@ -83,6 +86,8 @@ pub struct Broker {
     /// the queue is single-active-consumer, and a standby holding the
     /// active slot would take the leader's bridge demand).
     demand_on: AtomicBool,
+    /// `[jobs] depend_grace_secs` of the held-queue consumer.
+    depend_grace_secs: u64,
 }
 
 impl std::fmt::Debug for Broker {
@@ -110,6 +115,7 @@ impl Broker {
             job_queries: None,
             pool_limits: Arc::new(Vec::new()),
             demand_on: AtomicBool::new(true),
+            depend_grace_secs: 120,
         }
     }
 
@@ -142,10 +148,38 @@ impl Broker {
                     }
                 }
             }
-        } else if let Some((task, ch)) = s.demand.take() {
-            task.abort();
-            let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "standby".into())).await;
+            if s.held.is_none() && s.conn.status().connected() {
+                match self.start_held(&s.conn).await {
+                    Ok(h) => s.held = h,
+                    Err(e) => {
+                        tracing::warn!(error = %vq_common::error::chain(&e), "cannot consume held jobs; retried with the next session");
+                        s.tasks.push(tokio::spawn(async {}));
+                    }
+                }
+            }
+        } else {
+            if let Some((task, ch)) = s.demand.take() {
+                task.abort();
+                let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "standby".into())).await;
+            }
+            // Closing the channel returns the unacked held jobs to the
+            // queue, for the new leader.
+            if let Some((task, ch)) = s.held.take() {
+                task.abort();
+                let _ = tokio::time::timeout(OP_TIMEOUT, ch.close(200, "standby".into())).await;
+                for p in &self.pools {
+                    self.metrics.set_pool_held(p, 0);
+                }
+            }
         }
+    }
+
+    /// Cancels held jobs naming a dependency the table does not know
+    /// `secs` after their submission (`[jobs] depend_grace_secs`; default
+    /// 120).
+    pub fn with_depend_grace(mut self, secs: u64) -> Self {
+        self.depend_grace_secs = secs;
+        self
     }
 
     /// Keeps `jobs` current from the event stream with every session,
@@ -205,6 +239,7 @@ impl Broker {
                 && s.channel.status().connected()
                 && !s.tasks.iter().any(JoinHandle::is_finished)
                 && !s.demand.as_ref().is_some_and(|(t, _)| t.is_finished())
+                && !s.held.as_ref().is_some_and(|(t, _)| t.is_finished())
             {
                 return Ok(());
             }
@@ -213,6 +248,9 @@ impl Broker {
                 t.abort();
             }
             if let Some((t, _)) = &s.demand {
+                t.abort();
+            }
+            if let Some((t, _)) = &s.held {
                 t.abort();
             }
             let _ =
@@ -240,6 +278,11 @@ impl Broker {
             None
         };
         let dead = self.start_dead_watch(&conn).await?;
+        let held = if self.demand_on.load(Ordering::Relaxed) {
+            self.start_held(&conn).await?
+        } else {
+            None
+        };
         let alarms = tokio::spawn(watch_blocked(conn.events_listener(), self.shared.clone()));
         {
             let mut sh = self.shared_lock();
@@ -303,6 +346,7 @@ impl Broker {
             channel,
             tasks,
             demand,
+            held,
         });
         Ok(())
     }
@@ -348,6 +392,40 @@ impl Broker {
             tokio::spawn(consume_demand(consumer, shared, ch.clone())),
             ch,
         ))
+    }
+
+    /// Starts the held-queue consumer ([`crate::jobs::held`]); `None`
+    /// without a job table (nothing to decide by).
+    async fn start_held(
+        &self,
+        conn: &Connection,
+    ) -> Result<Option<(JoinHandle<()>, Channel)>, AmqpError> {
+        let Some((jobs, _)) = &self.jobs else {
+            return Ok(None);
+        };
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::op("channel.open (held jobs)"))?;
+        let publish = amqp::confirm_channel(conn).await?;
+        let consumer = consume_acked(
+            &ch,
+            &self.topo.held_queue(),
+            "vq-controller-held",
+            crate::jobs::held::HELD_PREFETCH,
+        )
+        .await?;
+        let holder = crate::jobs::held::Holder {
+            publish,
+            topo: self.topo.clone(),
+            jobs: jobs.clone(),
+            user: self.user.clone(),
+            grace_secs: self.depend_grace_secs,
+            confirm: Duration::from_secs(self.cfg.confirm_timeout_secs),
+            metrics: self.metrics.clone(),
+            pools: self.pools.clone(),
+        };
+        Ok(Some((tokio::spawn(holder.run(consumer, ch.clone())), ch)))
     }
 
     async fn start_dead_watch(&self, conn: &Connection) -> Result<JoinHandle<()>, AmqpError> {
@@ -498,6 +576,9 @@ impl Broker {
                 t.abort();
             }
             if let Some((t, _)) = &s.demand {
+                t.abort();
+            }
+            if let Some((t, _)) = &s.held {
                 t.abort();
             }
             // A blocked connection (broker alarm) does not read our close.

@@ -46,10 +46,16 @@ pub struct JobsView {
 
 impl JobsView {
     /// Gives `r`, if it is queued and has no reason of its own, its pool's
-    /// pending reason.
+    /// pending reason; if it is held, the dependency it waits for
+    /// ([`vq_common::jobs::depend::held_reason`], e.g. `held: afterok 123
+    /// not finished`).
     pub fn annotate(&self, r: &mut vq_common::jobs::JobRecord) {
         if r.state == vq_common::jobs::State::Queued && r.reason.is_none() {
             r.reason = self.pending.get(&r.pool).cloned();
+        }
+        if r.state == vq_common::jobs::State::Held && r.reason.is_none() {
+            let depend = r.request.as_ref().map_or(&[][..], |q| &q.depend[..]);
+            r.reason = Some(vq_common::jobs::depend::held_reason(depend, &self.table));
         }
     }
 }

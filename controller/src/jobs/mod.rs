@@ -3,9 +3,10 @@
 //! one copy, shared with the CLI); [`feed`] keeps it current from the event
 //! stream with every broker session, [`http`] serves it read-only at
 //! `/jobs`, [`queries`] answers `vq stat`'s queries over AMQP, [`pending`]
-//! says why queued jobs wait.
+//! says why queued jobs wait, [`held`] releases or cancels held jobs.
 
 pub mod feed;
+pub mod held;
 pub mod http;
 pub mod pending;
 pub mod queries;

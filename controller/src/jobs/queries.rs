@@ -253,7 +253,10 @@ impl Answerer {
             &job.pool,
             "",
             None,
-            JobState::Withdrawn { by: by.to_string() },
+            JobState::Withdrawn {
+                by: by.to_string(),
+                reason: None,
+            },
         );
         event.owner = job.owner.clone();
         event.job_name = job.name.clone();
