@@ -480,6 +480,16 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         breaker.observe(now, &observed.servers, &classes);
         observed.boot_gate = breaker.gate(now);
         let mut planned = plan(&observed, &pool_cfg, timing);
+        // The scale-down hysteresis' clock: since when the pool has had
+        // more VMs than its target without a break.
+        if planned.surplus {
+            self.memory
+                .surplus_since
+                .entry(name.to_string())
+                .or_insert(now);
+        } else {
+            self.memory.surplus_since.remove(name);
+        }
         if let (Some(limit), Some(note)) = (planned.limited.as_mut(), &world.quota_note) {
             if limit.kind == crate::plan::LIMIT_QUOTA {
                 limit.reason = format!("{}: {note}", limit.reason);

@@ -767,6 +767,7 @@ mod tests {
             classes: vec![],
             actions: vec![],
             held: vec![],
+            surplus: false,
             limited: None,
         };
         (o, p)
@@ -833,6 +834,7 @@ mod tests {
             classes: vec![Class::Idle, Class::Idle],
             actions: vec![],
             held: vec![],
+            surplus: false,
             limited: None,
         };
         publish(&status, &m, Instant::now(), "cms", &o, &p);

@@ -110,6 +110,7 @@ slots = 2
 boot_timeout_secs = 60
 idle_secs = 2
 cooldown_secs = 1
+min_lifetime_secs = 0
 "#
         ),
     )?;
