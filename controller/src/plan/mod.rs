@@ -185,7 +185,8 @@ pub struct Plan {
     pub classes: Vec<Class>,
     /// What to do.
     pub actions: Vec<Action>,
-    /// Things the rule wanted but held back (cooldown, quota, max), for logs.
+    /// Things the rule wanted but held back (cooldown, quota, max, the
+    /// scale-down hysteresis, the minimum lifetime), for logs.
     pub held: Vec<String>,
     /// Whether the pool has more VMs than its target (`VN < 0`): the loop
     /// keeps the instant since which this holds without a break, and
