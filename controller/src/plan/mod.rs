@@ -476,8 +476,10 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 pool.cooldown_secs
             ));
         } else if surplus_secs < delay as f64 {
+            // Whole seconds, rounded down: never "3 s, … before 3 s".
             held.push(format!(
-                "{why}: {excess} too many for {surplus_secs:.0} s, no scale-down before {delay} s (scale_down_delay_secs)"
+                "{why}: {excess} too many for {:.0} s, no scale-down before {delay} s (scale_down_delay_secs)",
+                surplus_secs.floor()
             ));
         } else {
             let idle_enough: Vec<&ObservedServer> = obs

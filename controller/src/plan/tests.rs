@@ -474,8 +474,16 @@ fn scale_down_waits_until_the_surplus_has_lasted_the_delay() {
         "{:?}",
         pl.held
     );
-    o.surplus_secs = Some(59.0);
-    assert!(asks(&plan(&o, &p, T)).is_empty());
+    o.surplus_secs = Some(59.9);
+    let pl = plan(&o, &p, T);
+    assert!(asks(&pl).is_empty());
+    assert!(
+        pl.held
+            .iter()
+            .any(|h| h.contains("for 59 s, no scale-down before 60 s")),
+        "{:?}",
+        pl.held
+    );
     o.surplus_secs = Some(60.0);
     let pl = plan(&o, &p, T);
     assert_eq!(asks(&pl), vec!["a".to_string(), "b".to_string()]);
