@@ -101,6 +101,8 @@ slots = 2
 boot_timeout_secs = 60
 idle_secs = 3
 cooldown_secs = 2
+# the demo returns to zero at once (production: keep VMs 300 s at least)
+min_lifetime_secs = 0
 EOF
 
 PIDS=()

@@ -726,8 +726,9 @@ pub struct Heartbeat {
     /// Whether the agent agreed to be deleted (seed `isDel`): it stopped
     /// pulling and holds no job.
     pub is_del: bool,
-    /// Seconds since the agent last ran a job (or since it started), measured
-    /// by the agent's monotonic clock.
+    /// Seconds since the later of the agent's last job's end and its start
+    /// of pulling (its first consumer, or its last resume), measured by the
+    /// agent's monotonic clock; 0 while a job is claimed.
     pub idle_secs: f64,
     /// Seconds between heartbeats.
     pub interval_secs: f64,

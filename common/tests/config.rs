@@ -196,12 +196,16 @@ slots = 1.0
 boot_timeout_secs = "600"
 idle_secs = -1
 cooldown_secs = "30"
+scale_down_delay_secs = -5
+min_lifetime_secs = "300"
 [pools.atlas]
 flavor = "m1"
 image = "img"
 agent_broker_url = "amqp://a:b@h/%2f"
 min = 3
 max = 1
+min_lifetime_secs = 2592001
+scale_down_delay_secs = 99999999
 "#;
     let all = problems::<ControllerConfig>(text);
     let mut needles = vec![
@@ -230,11 +234,15 @@ max = 1
         "boot_timeout_secs: ",
         "idle_secs: ",
         "cooldown_secs: ",
+        "scale_down_delay_secs: ",
+        "min_lifetime_secs: ",
     ] {
         needles.push(Box::leak(format!("pools.cms.{key}").into_boxed_str()));
     }
     // A value problem of another pool comes out in the same run.
     needles.push("pools.atlas: min 3 is greater than max 1");
+    needles.push("pools.atlas.min_lifetime_secs: 2592001 is more than 30 days");
+    needles.push("pools.atlas.scale_down_delay_secs: 99999999 is more than 30 days");
     assert_lists(&all, &needles);
 }
 

@@ -144,6 +144,12 @@ pub struct Observed {
     pub since_scale_down_secs: Option<f64>,
     /// Seconds since the last failed boot of this pool.
     pub since_boot_failure_secs: Option<f64>,
+    /// Seconds the pool has had more VMs than its target without a break,
+    /// as its earlier cycles found ([`crate::plan::Plan::surplus`]);
+    /// `None`: no surplus recorded (none last cycle, or the controller just
+    /// started). The scale-down hysteresis `scale_down_delay_secs` is
+    /// measured on it.
+    pub surplus_secs: Option<f64>,
     /// Why the pool may boot nothing (a server this controller created is
     /// missing from the listings, see [`CreatedWatch`]); `None`: no
     /// obstacle.
@@ -217,6 +223,8 @@ pub struct PoolInputs<'a> {
     pub since_scale_down_secs: Option<f64>,
     /// See [`Observed::since_boot_failure_secs`].
     pub since_boot_failure_secs: Option<f64>,
+    /// See [`Observed::surplus_secs`].
+    pub surplus_secs: Option<f64>,
     /// See [`Observed::unlisted_created`].
     pub unlisted_created: u32,
     /// See [`Observed::boot_obstacle`].
@@ -298,6 +306,7 @@ pub fn assemble(input: &PoolInputs<'_>) -> Observed {
         listening_secs: clock.listening_secs,
         since_scale_down_secs: input.since_scale_down_secs,
         since_boot_failure_secs: input.since_boot_failure_secs,
+        surplus_secs: input.surplus_secs,
         boot_obstacle: input.boot_obstacle.map(str::to_string),
         unlisted_created: input.unlisted_created,
         configured_slots: input.configured_slots,
@@ -425,6 +434,9 @@ pub struct PoolMemory {
     pub last_scale_down: BTreeMap<String, Instant>,
     /// When each pool's last boot failed.
     pub last_boot_failure: BTreeMap<String, Instant>,
+    /// Since when each pool has had more VMs than its target without a
+    /// break (absent: no surplus at its last plan).
+    pub surplus_since: BTreeMap<String, Instant>,
     /// The servers created that no listing has shown yet.
     pub created_watch: CreatedWatch,
     /// Agents whose heartbeat's slots differ from their pool's `slots`,
@@ -637,6 +649,7 @@ pub async fn observe_pool<B: BrokerApi>(
         quota: &world.quota,
         since_scale_down_secs: since(&memory.last_scale_down),
         since_boot_failure_secs: since(&memory.last_boot_failure),
+        surplus_secs: since(&memory.surplus_since),
         unlisted_created,
         boot_obstacle: boot_obstacle.as_deref(),
         job_slots: world
@@ -676,6 +689,7 @@ mod tests {
             quota: &QuotaView::Unknown,
             since_scale_down_secs: None,
             since_boot_failure_secs: None,
+            surplus_secs: None,
             unlisted_created: 0,
             boot_obstacle: None,
             job_slots: None,
@@ -820,12 +834,14 @@ mod tests {
         let o = assemble(&PoolInputs {
             since_scale_down_secs: Some(12.0),
             since_boot_failure_secs: Some(3.0),
+            surplus_secs: Some(7.0),
             unlisted_created: 2,
             boot_obstacle: Some("server x is missing"),
             ..inputs(&[], &agents, None, 0, None, clock)
         });
         assert_eq!(o.since_scale_down_secs, Some(12.0));
         assert_eq!(o.since_boot_failure_secs, Some(3.0));
+        assert_eq!(o.surplus_secs, Some(7.0));
         assert_eq!(o.unlisted_created, 2);
         assert_eq!(o.boot_obstacle.as_deref(), Some("server x is missing"));
     }
@@ -880,6 +896,7 @@ mod tests {
                 quota: &QuotaView::Unknown,
                 since_scale_down_secs: None,
                 since_boot_failure_secs: None,
+                surplus_secs: None,
                 unlisted_created: 0,
                 boot_obstacle: None,
                 job_slots: None,

@@ -480,6 +480,16 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
         breaker.observe(now, &observed.servers, &classes);
         observed.boot_gate = breaker.gate(now);
         let planned = plan(&observed, &pool_cfg, timing);
+        // The scale-down hysteresis' clock: since when the pool has had
+        // more VMs than its target without a break.
+        if planned.surplus {
+            self.memory
+                .surplus_since
+                .entry(name.to_string())
+                .or_insert(now);
+        } else {
+            self.memory.surplus_since.remove(name);
+        }
         // Deletes in flight: a server a complete listing no longer shows
         // is gone; one still listed is polled, not deleted again at once.
         let deletes = self.deletes.entry(name.to_string()).or_default();

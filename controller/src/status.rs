@@ -774,6 +774,7 @@ mod tests {
             classes: vec![],
             actions: vec![],
             held: vec![],
+            surplus: false,
             limited: None,
         };
         (o, p)
@@ -841,6 +842,7 @@ mod tests {
             classes: vec![Class::Idle, Class::Idle],
             actions: vec![],
             held: vec![],
+            surplus: false,
             limited: None,
         };
         publish(&status, &m, Instant::now(), "cms", &o, &p);
@@ -896,6 +898,7 @@ mod tests {
             actions: vec![],
             held: vec![],
             limited: None,
+            surplus: false,
         };
         publish(&status, &m, Instant::now(), "cms", &o, &p);
         let json = serde_json::to_value(&status.read().unwrap().pools["cms"]).unwrap();

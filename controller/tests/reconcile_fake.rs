@@ -96,6 +96,8 @@ struct FakeBroker {
     fenced: Mutex<Vec<(String, u32)>>,
     /// Probes published.
     probes: Mutex<u32>,
+    /// The event book's agent records.
+    agents: Mutex<BTreeMap<String, vq_controller::events::AgentRecord>>,
 }
 
 impl Messenger for FakeBroker {
@@ -119,6 +121,7 @@ impl BrokerApi for FakeBroker {
     fn snapshot(&self, _now: Instant) -> EventSnapshot {
         EventSnapshot {
             listening_secs: *self.listening_secs.lock().unwrap(),
+            agents: self.agents.lock().unwrap().clone(),
             ..EventSnapshot::default()
         }
     }
@@ -403,4 +406,68 @@ async fn a_server_deleted_by_the_plan_is_marked_for_fencing_before_the_delete() 
     let s = ctl.cycle(&stop).await;
     assert_eq!(s.fenced, vec!["vq-cms-2".to_string()], "{s:?}");
     assert!(ctl.broker().fences.lock().unwrap().is_empty());
+}
+
+/// A heartbeat of idle agent `agent` of pool `cms`, received now.
+fn idle_heartbeat(b: &FakeBroker, agent: &str, idle_secs: f64) {
+    let hb = serde_json::from_value(serde_json::json!({
+        "agent": agent, "pool": "cms", "state": "idle", "slots": 1, "running": [],
+        "is_pull": true, "is_del": false, "idle_secs": idle_secs, "interval_secs": 1, "at": 0
+    }))
+    .expect("a heartbeat");
+    b.agents
+        .lock()
+        .unwrap()
+        .entry(agent.into())
+        .or_default()
+        .heartbeat = Some((hb, Instant::now()));
+}
+
+fn asks(b: &FakeBroker) -> usize {
+    b.sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, c)| matches!(c, Control::AskDelete { .. }))
+        .count()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_agent_is_asked_only_once_the_pool_s_surplus_has_lasted_the_hysteresis() {
+    let mut cfg = config(10);
+    let pool = cfg.pools.get_mut("cms").unwrap();
+    pool.idle_secs = 1;
+    pool.cooldown_secs = 0;
+    pool.scale_down_delay_secs = Some(20);
+    pool.min_lifetime_secs = 0;
+    let b = broker_with_depth(0);
+    *b.listening_secs.lock().unwrap() = 1e6;
+    idle_heartbeat(&b, "vq-cms-1", 500.0);
+    let cloud = FakeCloud::default();
+    cloud.servers.lock().unwrap().push(server("vq-cms-1"));
+    let mut ctl = Controller::new(cfg, cloud, b);
+    let stop = CancellationToken::new();
+    let step = |secs: u64| tokio::time::advance(std::time::Duration::from_secs(secs));
+    // The surplus starts with the first cycle that sees it.
+    ctl.cycle(&stop).await;
+    step(15).await;
+    idle_heartbeat(ctl.broker(), "vq-cms-1", 515.0);
+    ctl.cycle(&stop).await;
+    assert_eq!(asks(ctl.broker()), 0, "15 s of surplus, 20 s needed");
+    // Demand comes back for a cycle: the surplus ends, its clock restarts.
+    ctl.broker().depth.lock().unwrap().insert("cms".into(), 1);
+    step(1).await;
+    idle_heartbeat(ctl.broker(), "vq-cms-1", 516.0);
+    ctl.cycle(&stop).await;
+    ctl.broker().depth.lock().unwrap().insert("cms".into(), 0);
+    for (after, secs) in [(0, 0), (15, 15), (19, 4)] {
+        step(secs).await;
+        idle_heartbeat(ctl.broker(), "vq-cms-1", 520.0);
+        ctl.cycle(&stop).await;
+        assert_eq!(asks(ctl.broker()), 0, "{after} s after the demand went");
+    }
+    step(1).await;
+    idle_heartbeat(ctl.broker(), "vq-cms-1", 521.0);
+    ctl.cycle(&stop).await;
+    assert_eq!(asks(ctl.broker()), 1, "20 s after the demand went");
 }

@@ -592,6 +592,7 @@ async fn start_consumer(ctx: &Ctx, ch: &Channel, free: usize) -> Result<Consumer
     })
     .await?;
     info!(pool = %ctx.cfg.pool, queue = %queue, prefetch, "pulling jobs");
+    ctx.shared.started_pulling();
     Ok(consumer)
 }
 

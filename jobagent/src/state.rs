@@ -228,7 +228,13 @@ struct Inner {
     /// own generation ([`Shared::finish_drain`]).
     drain_epoch: u64,
     jobs: BTreeMap<String, Claimed>,
+    /// When the last claim was released (a job ended, or never ran).
     last_end: Instant,
+    /// When the agent started pulling: its first consumer, or the last
+    /// resume (the agent's start until then).
+    pulling_since: Instant,
+    /// Whether a consumer was started since the agent started.
+    pulled: bool,
     next_seq: u64,
 }
 
@@ -279,7 +285,9 @@ pub struct Snapshot {
     pub is_del: bool,
     /// The reason of the drain in force, while not pulling because of it.
     pub drain_reason: Option<String>,
-    /// Seconds since the last job ended (or the agent started); 0 when busy.
+    /// Seconds since the later of the last job's end and the agent's
+    /// start of pulling (its first consumer, or the last resume); 0 when
+    /// a job is claimed.
     pub idle_secs: f64,
 }
 
@@ -310,6 +318,8 @@ impl Shared {
                 drain_epoch: 0,
                 jobs: BTreeMap::new(),
                 last_end: Instant::now(),
+                pulling_since: Instant::now(),
+                pulled: false,
                 next_seq: 0,
             }),
             slots: slots as usize,
@@ -607,6 +617,9 @@ impl Shared {
         if reply == Reply::Resume {
             g.drain_epoch += 1;
             g.drain_reason = None;
+            // Idle time counts from the resume: the time out of service
+            // was not time without work.
+            g.pulling_since = Instant::now();
         }
         drop(g);
         if reply == Reply::Resume {
@@ -638,6 +651,17 @@ impl Shared {
         let g = self.lock();
         let running: Vec<String> = g.jobs.keys().cloned().collect();
         (g.mode.agent_state(running.len()), running)
+    }
+
+    /// Notes that the session started its pool consumer: the first time
+    /// since the agent's start, the idle clock starts again (the time
+    /// before the agent could take jobs is not idle time).
+    pub fn started_pulling(&self) {
+        let mut g = self.lock();
+        if !g.pulled {
+            g.pulled = true;
+            g.pulling_since = Instant::now();
+        }
     }
 
     /// Waits until no job is claimed.
@@ -694,12 +718,18 @@ impl Shared {
 
     /// A view for heartbeats.
     pub fn snapshot(&self) -> Snapshot {
+        self.snapshot_at(Instant::now())
+    }
+
+    /// A view for heartbeats, with the idle time measured at `now`.
+    fn snapshot_at(&self, now: Instant) -> Snapshot {
         let g = self.lock();
         let running: Vec<String> = g.jobs.keys().cloned().collect();
         let state = g.mode.agent_state(running.len());
         Snapshot {
             idle_secs: if running.is_empty() {
-                g.last_end.elapsed().as_secs_f64()
+                now.saturating_duration_since(g.last_end.max(g.pulling_since))
+                    .as_secs_f64()
             } else {
                 0.0
             },
@@ -936,6 +966,53 @@ mod tests {
         s.mark_deleted();
         assert_eq!(s.mode(), Agreed);
         assert!(s.snapshot().is_del);
+    }
+
+    /// Seconds `s` reports idle at `later` after `at`.
+    fn idle_after(s: &Shared, at: Instant, later: f64) -> f64 {
+        s.snapshot_at(at + std::time::Duration::from_secs_f64(later))
+            .idle_secs
+    }
+
+    #[test]
+    fn idle_time_runs_from_the_later_of_the_start_of_pulling_and_the_last_job_s_end() {
+        let s = Shared::new(1);
+        // Gaps between the agent's start, its first consumer and its
+        // job's end, so that counting from the wrong instant shows (as more
+        // than 10 s at 10 s after the right one).
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let before_pull = Instant::now();
+        s.started_pulling();
+        let idle = idle_after(&s, before_pull, 10.0);
+        assert!(
+            idle <= 10.0,
+            "{idle}: counts from the start of pulling, not from the agent's start"
+        );
+        let _ = s.claim("j1", 1);
+        assert_eq!(idle_after(&s, before_pull, 100.0), 0.0, "busy");
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let before_end = Instant::now();
+        s.release("j1");
+        let idle = idle_after(&s, before_end, 10.0);
+        assert!(idle <= 10.0, "{idle}: counts from the job's end");
+        // Another consumer (a new session, a slot freed) is no new start.
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let at = Instant::now();
+        let idle = idle_after(&s, at, 10.0);
+        s.started_pulling();
+        assert_eq!(idle_after(&s, at, 10.0), idle);
+    }
+
+    #[test]
+    fn a_resumed_agent_counts_its_idle_time_from_the_resume() {
+        let s = Shared::new(1);
+        s.started_pulling();
+        assert!(s.start_drain(Some("maintenance".into())).is_some());
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let before = Instant::now();
+        assert_eq!(s.resume(), Reply::Resume);
+        let idle = idle_after(&s, before, 10.0);
+        assert!(idle <= 10.0, "{idle}: the time drained is not idle time");
     }
 
     #[test]

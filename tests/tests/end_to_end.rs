@@ -113,6 +113,7 @@ max_walltime_secs = 600
 boot_timeout_secs = 60
 idle_secs = 2
 cooldown_secs = 1
+min_lifetime_secs = 0
 "#
         ),
     )?;

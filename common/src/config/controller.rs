@@ -58,11 +58,25 @@ pub struct PoolConfig {
     pub memory_mb: Option<u64>,
     /// Seconds a server may take from create to its agent's first heartbeat.
     pub boot_timeout_secs: u64,
-    /// Seconds an agent must be idle before it is asked to go.
+    /// Seconds an agent must be idle before it is asked to go: the
+    /// agent's idle clock runs from the later of its start of pulling and
+    /// its last job's end.
     pub idle_secs: u64,
     /// Seconds after a scale-down before the next one (and after a failed
     /// boot before the next boot).
     pub cooldown_secs: u64,
+    /// Scale-down hysteresis, seconds: the pool must have had more VMs
+    /// than its target without a break for this long before an idle agent
+    /// is asked to go, so that a dip in the demand shorter than this
+    /// deletes nothing. Unset: `idle_secs` (an agent's idle time then
+    /// counts from the later of its last job's end and the moment the
+    /// demand for its VM went away). 0: no hysteresis.
+    pub scale_down_delay_secs: Option<u64>,
+    /// Seconds a server lives at least (from Nova's `created`) before an
+    /// idle agent on it is asked to go; 0: no minimum. Failed servers
+    /// (ERROR, stuck in BUILD, black holes, dead agents) are deleted at
+    /// any age.
+    pub min_lifetime_secs: u64,
     /// First delay, seconds, before the next boot after a boot failure (a
     /// failed create, a server in ERROR or stuck in BUILD past
     /// `boot_timeout_secs`); it doubles with each consecutive failure, with
@@ -89,6 +103,14 @@ pub struct PoolConfig {
     pub delete_timeout_secs: f64,
 }
 
+impl PoolConfig {
+    /// The scale-down hysteresis in force, seconds:
+    /// `scale_down_delay_secs`, or `idle_secs` when unset.
+    pub fn scale_down_delay(&self) -> u64 {
+        self.scale_down_delay_secs.unwrap_or(self.idle_secs)
+    }
+}
+
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
@@ -108,6 +130,8 @@ impl Default for PoolConfig {
             boot_timeout_secs: 600,
             idle_secs: 300,
             cooldown_secs: 30,
+            scale_down_delay_secs: None,
+            min_lifetime_secs: 300,
             boot_backoff_base_secs: 30.0,
             boot_backoff_cap_secs: 600.0,
             breaker_failures: 5,
@@ -176,6 +200,10 @@ pub const MIN_COMPUTE_MICROVERSION: Microversion = Microversion {
     major: 2,
     minor: 52,
 };
+
+/// Largest `min_lifetime_secs` and `scale_down_delay_secs`, seconds (30
+/// days): more is refused as a unit mistake.
+pub const MAX_SCALE_DOWN_HOLD_SECS: u64 = 30 * 86_400;
 
 /// Longest cluster name: the controller tags its servers
 /// `vq-cluster-<cluster>` and Nova's tags are at most 60 characters.
@@ -391,6 +419,18 @@ impl ControllerConfig {
                     "{k}: boot_backoff_base_secs {} and boot_backoff_cap_secs {} must be positive, the base at most the cap",
                     pool.boot_backoff_base_secs, pool.boot_backoff_cap_secs
                 ));
+            }
+            // A scale-down hold of more than 30 days is a unit mistake
+            // (milliseconds?): the pool would never shrink.
+            for (key, v) in [
+                ("min_lifetime_secs", Some(pool.min_lifetime_secs)),
+                ("scale_down_delay_secs", pool.scale_down_delay_secs),
+            ] {
+                if let Some(v) = v.filter(|v| *v > MAX_SCALE_DOWN_HOLD_SECS) {
+                    p.push(format!(
+                        "{k}.{key}: {v} is more than 30 days ({MAX_SCALE_DOWN_HOLD_SECS} s): seconds, not milliseconds; 0 turns it off"
+                    ));
+                }
             }
             if pool.breaker_failures == 0 {
                 p.push(format!("{k}.breaker_failures: must be at least 1"));

@@ -13,7 +13,9 @@
 //!   controller has not listened for a whole heartbeat timeout;
 //! * `VN = VT - VA - VB`: boot `min(VN, max - servers kept, quota)`, or ask
 //!   up to `-VN` idle agents (idle at least `idle_secs`) whether they may be
-//!   deleted.
+//!   deleted, once `VN < 0` has lasted `scale_down_delay_secs` without a
+//!   break ([`Observed::surplus_secs`], hysteresis) and only on servers at
+//!   least `min_lifetime_secs` old (DESIGN.md, "No flapping").
 //!
 //! Deleted are: servers whose agent agreed (an explicit `may_delete` answer
 //! matched to a request id this controller sent, no job running; agents
@@ -183,8 +185,13 @@ pub struct Plan {
     pub classes: Vec<Class>,
     /// What to do.
     pub actions: Vec<Action>,
-    /// Things the rule wanted but held back (cooldown, quota, max), for logs.
+    /// Things the rule wanted but held back (cooldown, quota, max, the
+    /// scale-down hysteresis, the minimum lifetime), for logs.
     pub held: Vec<String>,
+    /// Whether the pool has more VMs than its target (`VN < 0`): the loop
+    /// keeps the instant since which this holds without a break, and
+    /// gives its age back as [`Observed::surplus_secs`].
+    pub surplus: bool,
     /// The first limit that cut the boots the rule wanted, for `/status`
     /// (`obstacle`, `obstacle_kind`) and `vq_pool_obstacle`: `None` when
     /// every wanted boot is made, or when only the boot gate or an unlisted
@@ -504,13 +511,23 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         let cooling = obs
             .since_scale_down_secs
             .filter(|since| *since < pool.cooldown_secs as f64);
+        // Before this cycle's observation no surplus was recorded: it
+        // starts now.
+        let surplus_secs = obs.surplus_secs.unwrap_or(0.0);
+        let delay = pool.scale_down_delay();
         if let Some(since) = cooling {
             held.push(format!(
                 "{why}: {excess} too many, but the last scale-down was {since:.0} s ago (cooldown {} s)",
                 pool.cooldown_secs
             ));
+        } else if surplus_secs < delay as f64 {
+            // Whole seconds, rounded down: never "3 s, … before 3 s".
+            held.push(format!(
+                "{why}: {excess} too many for {:.0} s, no scale-down before {delay} s (scale_down_delay_secs)",
+                surplus_secs.floor()
+            ));
         } else {
-            let mut idle: Vec<&ObservedServer> = obs
+            let idle_enough: Vec<&ObservedServer> = obs
                 .servers
                 .iter()
                 .zip(&classes)
@@ -522,13 +539,30 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 })
                 .map(|(s, _)| s)
                 .collect();
+            // A server whose age Nova did not give is old enough: the
+            // minimum lifetime must not keep a VM for ever.
+            let min_life = pool.min_lifetime_secs as f64;
+            let (mut idle, young): (Vec<&ObservedServer>, Vec<&ObservedServer>) = idle_enough
+                .into_iter()
+                .partition(|s| s.age_secs.is_none_or(|age| age >= min_life));
+            if idle.len() < excess as usize && !young.is_empty() {
+                let youngest = young
+                    .iter()
+                    .filter_map(|s| s.age_secs)
+                    .fold(f64::INFINITY, f64::min);
+                held.push(format!(
+                    "{why}: {excess} too many, {} idle agent(s) kept: their servers are younger than min_lifetime_secs {} (youngest {youngest:.0} s)",
+                    young.len(),
+                    pool.min_lifetime_secs
+                ));
+            }
             // Longest idle first; name as a tie-break for determinism.
             idle.sort_by(|a, b| {
                 let ia = a.agent.as_ref().map(|x| x.idle_secs).unwrap_or(0.0);
                 let ib = b.agent.as_ref().map(|x| x.idle_secs).unwrap_or(0.0);
                 ib.total_cmp(&ia).then_with(|| a.name.cmp(&b.name))
             });
-            if idle.len() < excess as usize {
+            if idle.len() < excess as usize && young.is_empty() {
                 held.push(format!(
                     "{why}: {excess} too many, only {} agents idle for {} s or more",
                     idle.len(),
@@ -540,7 +574,9 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 actions.push(Action::AskDelete {
                     server_id: s.id.clone(),
                     agent: s.name.clone(),
-                    reason: format!("{why}: {excess} too many; agent idle for {idle_secs:.0} s"),
+                    reason: format!(
+                        "{why}: {excess} too many for {surplus_secs:.0} s; agent idle for {idle_secs:.0} s"
+                    ),
                 });
             }
         }
@@ -552,9 +588,12 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
         classes,
         actions,
         held,
+        surplus: vn < 0,
         limited,
     }
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

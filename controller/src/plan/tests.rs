@@ -20,6 +20,9 @@ fn pool(min: u32, max: u32, slots: u32) -> PoolConfig {
         boot_timeout_secs: 600,
         idle_secs: 60,
         cooldown_secs: 30,
+        // Off here: the scale-down holds have tests of their own.
+        scale_down_delay_secs: Some(0),
+        min_lifetime_secs: 0,
         ..PoolConfig::default()
     }
 }
@@ -65,6 +68,7 @@ fn obs(servers: Vec<ObservedServer>, queued: u64, running: u64) -> Observed {
         listening_secs: 1000.0,
         since_scale_down_secs: None,
         since_boot_failure_secs: None,
+        surplus_secs: None,
         boot_obstacle: None,
         unlisted_created: 0,
         configured_slots: 0,
@@ -538,6 +542,109 @@ fn a_dead_agent_is_deleted_without_any_answer() {
     assert_eq!(deletes(&p), vec![("gone".into(), DeleteCause::Dead)]);
 }
 
+#[test]
+fn scale_down_waits_until_the_surplus_has_lasted_the_delay() {
+    let s = vec![
+        srv("a", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+        srv("b", NovaStatus::Active, 900.0, Some(agent(0, 500.0, 2.0))),
+    ];
+    let mut p = pool(0, 10, 1);
+    p.scale_down_delay_secs = None; // = idle_secs, 60
+    assert_eq!(p.scale_down_delay(), 60);
+    let mut o = obs(s, 0, 0);
+    // The first cycle with a surplus: none recorded yet.
+    let pl = plan(&o, &p, T);
+    assert!(pl.surplus);
+    assert!(asks(&pl).is_empty(), "{:?}", pl.actions);
+    assert!(
+        pl.held
+            .iter()
+            .any(|h| h
+                .contains("2 too many for 0 s, no scale-down before 60 s (scale_down_delay_secs)")),
+        "{:?}",
+        pl.held
+    );
+    o.surplus_secs = Some(59.9);
+    let pl = plan(&o, &p, T);
+    assert!(asks(&pl).is_empty());
+    assert!(
+        pl.held
+            .iter()
+            .any(|h| h.contains("for 59 s, no scale-down before 60 s")),
+        "{:?}",
+        pl.held
+    );
+    o.surplus_secs = Some(60.0);
+    let pl = plan(&o, &p, T);
+    assert_eq!(asks(&pl), vec!["a".to_string(), "b".to_string()]);
+    assert!(pl.actions[0]
+        .reason()
+        .contains("2 too many for 60 s; agent idle for 500 s"));
+    // 0 turns the hysteresis off.
+    p.scale_down_delay_secs = Some(0);
+    o.surplus_secs = None;
+    assert_eq!(asks(&plan(&o, &p, T)).len(), 2);
+}
+
+#[test]
+fn the_plan_says_whether_the_pool_has_more_vms_than_its_target() {
+    let idle = || Some(agent(0, 0.0, 2.0));
+    let two = || {
+        vec![
+            srv("a", NovaStatus::Active, 900.0, idle()),
+            srv("b", NovaStatus::Build, 5.0, None),
+        ]
+    };
+    assert!(plan(&obs(two(), 1, 0), &pool(0, 10, 1), T).surplus);
+    assert!(!plan(&obs(two(), 2, 0), &pool(0, 10, 1), T).surplus);
+    assert!(!plan(&obs(two(), 5, 0), &pool(0, 10, 1), T).surplus);
+    // min counts: 2 VMs are the target without demand.
+    assert!(!plan(&obs(two(), 0, 0), &pool(2, 10, 1), T).surplus);
+}
+
+#[test]
+fn idle_agents_on_servers_younger_than_the_minimum_lifetime_are_kept() {
+    let mut p = pool(0, 10, 1);
+    p.min_lifetime_secs = 300;
+    let s = vec![
+        srv(
+            "young",
+            NovaStatus::Active,
+            200.0,
+            Some(agent(0, 150.0, 2.0)),
+        ),
+        srv("old", NovaStatus::Active, 300.0, Some(agent(0, 100.0, 2.0))),
+        srv("err", NovaStatus::Error, 10.0, None),
+        srv("hole", NovaStatus::Active, 700.0, None),
+    ];
+    let pl = plan(&obs(s, 0, 0), &p, T);
+    assert_eq!(asks(&pl), vec!["old".to_string()]);
+    assert!(
+        pl.held.iter().any(|h| h.contains(
+            "1 idle agent(s) kept: their servers are younger than min_lifetime_secs 300 (youngest 200 s)"
+        )),
+        "{:?}",
+        pl.held
+    );
+    // Failed servers go at any age.
+    assert_eq!(
+        deletes(&pl),
+        vec![
+            ("err".into(), DeleteCause::Error),
+            ("hole".into(), DeleteCause::BlackHole)
+        ]
+    );
+    // 0 turns it off.
+    p.min_lifetime_secs = 0;
+    let s = vec![srv(
+        "young",
+        NovaStatus::Active,
+        200.0,
+        Some(agent(0, 150.0, 2.0)),
+    )];
+    assert_eq!(asks(&plan(&obs(s, 0, 0), &p, T)), vec!["young".to_string()]);
+}
+
 // ------------------------------------------------------------ properties
 
 fn arb_agent() -> impl Strategy<Value = AgentSeen> {
@@ -602,9 +709,22 @@ fn arb_case() -> impl Strategy<Value = (Observed, PoolConfig)> {
         proptest::option::of(0u32..10),
         0.0f64..200.0,
         (0u32..4, 0u32..12, 1u32..4),
+        (
+            proptest::option::of(0.0f64..200.0),
+            proptest::option::of(0u64..150),
+            0u64..1500,
+        ),
     )
         .prop_map(
-            |(mut servers, queued, running, quota, listening, (min, extra, slots))| {
+            |(
+                mut servers,
+                queued,
+                running,
+                quota,
+                listening,
+                (min, extra, slots),
+                (surplus, delay, life),
+            )| {
                 for (i, s) in servers.iter_mut().enumerate() {
                     s.name = format!("{}{i}", s.name);
                     s.id = format!("id-{}", s.name);
@@ -612,7 +732,11 @@ fn arb_case() -> impl Strategy<Value = (Observed, PoolConfig)> {
                 let mut o = obs(servers, queued, running);
                 o.quota_remaining = quota;
                 o.listening_secs = listening;
-                (o, pool(min, min + extra, slots))
+                o.surplus_secs = surplus;
+                let mut p = pool(min, min + extra, slots);
+                p.scale_down_delay_secs = delay;
+                p.min_lifetime_secs = life;
+                (o, p)
             },
         )
 }
@@ -651,6 +775,23 @@ proptest! {
     }
 
     #[test]
+    fn idle_agents_are_asked_only_after_the_delay_and_the_minimum_lifetime((o, p) in arb_case()) {
+        let pl = plan(&o, &p, T);
+        for a in &pl.actions {
+            let Action::AskDelete { server_id, .. } = a else { continue };
+            let i = o.servers.iter().position(|s| &s.id == server_id).unwrap();
+            if pl.classes[i] != Class::Idle {
+                continue; // an out-of-service agent asked again
+            }
+            let s = &o.servers[i];
+            prop_assert!(pl.surplus);
+            prop_assert!(o.surplus_secs.unwrap_or(0.0) >= p.scale_down_delay() as f64, "{:?} {:?}", a, o.surplus_secs);
+            prop_assert!(s.age_secs.is_none_or(|age| age >= p.min_lifetime_secs as f64), "{:?} on {:?}", a, s);
+            prop_assert!(s.agent.as_ref().is_some_and(|ag| ag.idle_secs >= p.idle_secs as f64));
+        }
+    }
+
+    #[test]
     fn agreed_deletions_need_a_matched_yes((o, p) in arb_case()) {
         let pl = plan(&o, &p, T);
         for a in &pl.actions {
@@ -681,10 +822,13 @@ proptest! {
     ) {
         // Simulated world: boots become booting servers, then idle agents;
         // ask-delete makes an agent agree; deletes remove servers. Jobs
-        // keep running on busy agents. Cooldowns and idle time are off.
+        // keep running on busy agents. Cooldowns, idle time and the
+        // scale-down holds are off.
         let mut p = p;
         p.cooldown_secs = 0;
         p.idle_secs = 0;
+        p.scale_down_delay_secs = Some(0);
+        p.min_lifetime_secs = 0;
         let mut o = o;
         o.quota_remaining = None;
         o.listening_secs = 1000.0;
