@@ -454,6 +454,17 @@ impl<C: CloudApi, B: BrokerApi> Controller<C, B> {
             Err(e) => return Turn::Unobserved(e),
         };
         self.timings.observed(&self.metrics, &observed, now);
+        let wait = Duration::from_secs_f64(self.cfg.heartbeat_timeout_secs);
+        for u in self.timings.unanswered(&observed, now, wait) {
+            tracing::warn!(
+                pool = %name,
+                agent = %u.agent,
+                asked_secs = u.asked_secs.round(),
+                broker_user = %vq_common::amqp_url::broker_user(&self.cfg.broker.url),
+                "agent heartbeats but has not answered whether it may be deleted for {:.0} s: the controller's broker user must be in the agent's control_admins (an agent refuses control messages from others without answering the controller), or the agent is older than the ask-delete protocol; it is asked again each cycle and not deleted",
+                u.asked_secs
+            );
+        }
         match (
             &observed.boot_obstacle,
             status::has_obstacle(&self.status, name),

@@ -32,6 +32,26 @@ pub struct Timings {
     boots: BTreeMap<String, Boot>,
     /// Ask-deletes by agent: when the last one was sent.
     asks: BTreeMap<String, Instant>,
+    /// Ask-deletes by agent not answered yet: since when the agent has been
+    /// asked (the first ask of an unbroken run of asks), and whether it
+    /// was reported as unanswered ([`Timings::unanswered`]).
+    waiting: BTreeMap<String, Waiting>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    since: Instant,
+    reported: bool,
+}
+
+/// An agent that keeps heartbeating but has not answered the controller's
+/// ask-delete ([`Timings::unanswered`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unanswered {
+    /// Agent id (the server name).
+    pub agent: String,
+    /// Seconds since the first ask of the run.
+    pub asked_secs: f64,
 }
 
 impl Timings {
@@ -49,6 +69,45 @@ impl Timings {
     /// Agent `agent` was asked whether it may be deleted at `at`.
     pub fn asked(&mut self, agent: &str, at: Instant) {
         self.asks.insert(agent.to_string(), at);
+        self.waiting.entry(agent.to_string()).or_insert(Waiting {
+            since: at,
+            reported: false,
+        });
+    }
+
+    /// The agents of `observed` that were asked whether they may be deleted
+    /// more than `after` ago, have heartbeated since without answering any
+    /// ask, and were not reported yet: each is returned once per run of
+    /// asks. An agent answers an ask-delete only from a broker user in its
+    /// `control_admins` (the controller's account must be there), and an
+    /// agent older than the ask-delete protocol never does; both keep
+    /// heartbeating, so without this report the pool would ask for ever
+    /// with nothing in the log. Call after [`Timings::observed`], which
+    /// ends a run when the answer comes.
+    pub fn unanswered(
+        &mut self,
+        observed: &Observed,
+        now: Instant,
+        after: Duration,
+    ) -> Vec<Unanswered> {
+        let mut out = Vec::new();
+        for s in &observed.servers {
+            let (Some(w), Some(a)) = (self.waiting.get_mut(&s.name), &s.agent) else {
+                continue;
+            };
+            let heard = now
+                .checked_sub(Duration::from_secs_f64(a.heartbeat_age_secs.max(0.0)))
+                .unwrap_or(now);
+            let waited = now.saturating_duration_since(w.since);
+            if !w.reported && waited > after && heard > w.since + after {
+                w.reported = true;
+                out.push(Unanswered {
+                    agent: s.name.clone(),
+                    asked_secs: waited.as_secs_f64(),
+                });
+            }
+        }
+        out
     }
 
     /// Takes one complete observation of a pool made at `now`: observes
@@ -99,10 +158,13 @@ impl Timings {
                         .get_or_create(&labels)
                         .observe(at.saturating_duration_since(asked).as_secs_f64());
                     self.asks.remove(&s.name);
+                    self.waiting.remove(&s.name);
                 }
             }
         }
         let kept = Duration::from_secs(TIMINGS_KEPT_SECS);
+        self.waiting
+            .retain(|_, w| now.saturating_duration_since(w.since) < kept);
         self.boots
             .retain(|_, b| now.saturating_duration_since(b.created_at) < kept);
         self.asks
@@ -157,6 +219,77 @@ mod tests {
                 .to_string()
         };
         (find("sum"), find("count"))
+    }
+
+    /// An agent that heartbeats on but never answers the ask-delete (the
+    /// controller's account missing from its `control_admins`) is reported
+    /// once, after the wait, and again only in a new run of asks.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_heartbeats_but_never_answers_an_ask_is_reported_once() {
+        let m = Metrics::new();
+        let mut t = Timings::default();
+        let after = Duration::from_secs(10);
+        let silent = || pool(vec![server(NovaStatus::Active, Some(agent(0.5, None)))]);
+        t.asked("vq-cms-1", Instant::now());
+        for _ in 0..9 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            t.asked("vq-cms-1", Instant::now());
+            t.observed(&m, &silent(), Instant::now());
+            assert_eq!(t.unanswered(&silent(), Instant::now(), after), vec![]);
+        }
+        // A heartbeat from before the wait ended says nothing yet.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let quiet = pool(vec![server(NovaStatus::Active, Some(agent(5.0, None)))]);
+        assert_eq!(t.unanswered(&quiet, Instant::now(), after), vec![]);
+        let out = t.unanswered(&silent(), Instant::now(), after);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].agent, "vq-cms-1");
+        assert!((out[0].asked_secs - 11.0).abs() < 1e-6, "{out:?}");
+        tokio::time::advance(Duration::from_secs(5)).await;
+        t.asked("vq-cms-1", Instant::now());
+        assert_eq!(
+            t.unanswered(&silent(), Instant::now(), after),
+            vec![],
+            "once"
+        );
+        // An answer ends the run; a new run is reported again.
+        let answered = server(
+            NovaStatus::Active,
+            Some(agent(
+                0.5,
+                Some(AnswerSeen {
+                    age_secs: 0.5,
+                    may_delete: false,
+                    running: 1,
+                    matched: true,
+                }),
+            )),
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        t.observed(&m, &pool(vec![answered]), Instant::now());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        t.asked("vq-cms-1", Instant::now());
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(t.unanswered(&silent(), Instant::now(), after).len(), 1);
+        // An agent that answers in time is never reported.
+        let mut t = Timings::default();
+        t.asked("vq-cms-1", Instant::now());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let ok = server(
+            NovaStatus::Active,
+            Some(agent(
+                0.5,
+                Some(AnswerSeen {
+                    age_secs: 0.5,
+                    may_delete: true,
+                    running: 0,
+                    matched: true,
+                }),
+            )),
+        );
+        t.observed(&m, &pool(vec![ok]), Instant::now());
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert_eq!(t.unanswered(&silent(), Instant::now(), after), vec![]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -26,6 +26,10 @@ const POOL: &str = "flap";
 const PEAK: u64 = 3;
 /// Peaks and dips of the oscillation.
 const ROUNDS: usize = 6;
+/// The pool's `scale_down_delay_secs`: far longer than a dip (3 cycles of
+/// 0.3 s), so that a loaded machine's slow cycles do not end a dip's
+/// hysteresis.
+const DELAY: u64 = 30;
 
 fn http() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -112,12 +116,20 @@ async fn hold_demand(
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
-async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero() -> Result<()> {
-    if !require_root() {
-        return Ok(());
-    }
+/// A controller (pool [`POOL`], `max` [`PEAK`], `idle_secs` 1, 0.3 s
+/// cycles, the pool keys `pool_keys` added) on vq-cloudsim whose VMs run
+/// real agents (`admins`: with the controller's account in their
+/// `control_admins`), and a bridge that publishes the pool's demand.
+struct Setup {
+    sim: SimHandle,
+    _controller: ChildGuard,
+    status_url: String,
+    log: std::path::PathBuf,
+    bridge: Bridge,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(admins: bool, pool_keys: &str) -> Result<Setup> {
     let agent_bin = build_bin("vq-jobagent", "jobagent")?;
     let controller_bin = build_bin("vq-controller", "vq-controller")?;
     let cluster = unique_cluster();
@@ -125,12 +137,16 @@ async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero
     let dir = tempfile::tempdir()?;
     let agent_cfg = dir.path().join("jobagent.toml");
     // Heartbeats well within the controller's heartbeat timeout (2 s);
-    // the controller's account may ask the agents to go.
+    // the controller's account may ask the agents to go, if `admins`.
     std::fs::write(
         &agent_cfg,
         format!(
             "cluster = \"{cluster}\"\nheartbeat_secs = 0.5\n{}",
-            accounts::suite().agent_admins_toml()
+            if admins {
+                accounts::suite().agent_admins_toml()
+            } else {
+                String::new()
+            }
         ),
     )?;
     let sim = Sim::start(SimConfig::new(
@@ -144,17 +160,13 @@ async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero
         .local_addr()?
         .port();
     let cfg = dir.path().join("controller.toml");
-    // idle_secs 1: an agent without a job is idle enough within a second
-    // of its start; the dips last a few cycles (about a second), the
-    // hysteresis 10 s.
     std::fs::write(
         &cfg,
         format!(
             "cluster = \"{cluster}\"\nlisten = \"127.0.0.1:{port}\"\ninterval_secs = 0.3\nheartbeat_timeout_secs = 2.0\n\
              [broker]\nurl = \"{url}\"\n[openstack]\ncloud = \"cloudsim\"\n\
              [pools.{POOL}]\nflavor = \"m1.small\"\nimage = \"vq-worker\"\nagent_broker_url = \"{agent_url}\"\n\
-             min = 0\nmax = {PEAK}\nslots = 1\nboot_timeout_secs = 60\nidle_secs = 1\ncooldown_secs = 0\n\
-             scale_down_delay_secs = 10\nmin_lifetime_secs = 0\n"
+             min = 0\nmax = {PEAK}\nslots = 1\nboot_timeout_secs = 60\nidle_secs = 1\ncooldown_secs = 0\n{pool_keys}"
         ),
     )?;
     let log = dir.path().join("controller.log");
@@ -166,7 +178,7 @@ async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log)?);
-    let _controller = ChildGuard::spawn(cmd)?;
+    let controller = ChildGuard::spawn(cmd)?;
     let status_url = format!("http://127.0.0.1:{port}/status");
 
     // The controller declares the topology; the bridge publishes once it
@@ -178,62 +190,126 @@ async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero
         ch,
         exchange: format!("{cluster}.demand"),
     };
+    Ok(Setup {
+        sim,
+        _controller: controller,
+        status_url,
+        log,
+        bridge,
+        _dir: dir,
+    })
+}
 
-    // The first peak: the pool boots PEAK VMs and their agents come up.
+/// Publishes `queued` as the bridge's demand until `/status` shows `active`
+/// VMs active (90 s at most).
+async fn until_active(s: &Setup, queued: u64, active: u64) -> Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
-        bridge.demand(PEAK).await?;
-        let s = get_json(&status_url).await?;
-        let p = &s["pools"][POOL];
-        if p["vms"]["active"].as_u64() == Some(PEAK) {
-            break;
+        s.bridge.demand(queued).await?;
+        let st = get_json(&s.status_url).await?;
+        let p = &st["pools"][POOL];
+        if p["vms"]["active"].as_u64() == Some(active) {
+            return Ok(());
         }
         if tokio::time::Instant::now() > deadline {
             bail!(
-                "the pool did not reach {PEAK} active agents: {p}; log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
+                "the pool did not reach {active} active agents: {p}; log:\n{}",
+                std::fs::read_to_string(&s.log).unwrap_or_default()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn demand_alternating_between_peak_and_zero_boots_once_and_returns_to_zero() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    // idle_secs 1: an agent without a job is idle enough within a second
+    // of its start; the dips last a few cycles (about a second), the
+    // hysteresis DELAY.
+    let s = setup(
+        true,
+        &format!("scale_down_delay_secs = {DELAY}\nmin_lifetime_secs = 0\n"),
+    )
+    .await?;
+    // The first peak: the pool boots PEAK VMs and their agents come up.
+    until_active(&s, PEAK, PEAK).await?;
     // Dips and peaks, each a few controller cycles long: the agents are
     // idle for more than idle_secs in every dip.
     for _ in 0..ROUNDS {
-        hold_demand(&status_url, &bridge, 0, 0, 3, &log).await?;
-        hold_demand(&status_url, &bridge, PEAK, PEAK, 3, &log).await?;
+        hold_demand(&s.status_url, &s.bridge, 0, 0, 3, &s.log).await?;
+        hold_demand(&s.status_url, &s.bridge, PEAK, PEAK, 3, &s.log).await?;
     }
-    let (listed, created) = sim_counts(&sim).await?;
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let (listed, created) = sim_counts(&s.sim).await?;
+    let text = std::fs::read_to_string(&s.log).unwrap_or_default();
     if created != PEAK || listed != PEAK {
         bail!("{created} servers created and {listed} listed after {ROUNDS} dips, {PEAK} wanted: the pool flapped; log:\n{text}");
     }
-    if !text.contains("no scale-down before 10 s (scale_down_delay_secs)") {
+    if !text.contains(&format!(
+        "no scale-down before {DELAY} s (scale_down_delay_secs)"
+    )) {
         bail!("the held scale-down is not logged with its reason; log:\n{text}");
     }
 
     // The demand goes for good: after the hysteresis the pool returns to
     // zero.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(DELAY + 90);
     loop {
-        bridge.demand(0).await?;
-        let (listed, _) = sim_counts(&sim).await?;
+        s.bridge.demand(0).await?;
+        let (listed, _) = sim_counts(&s.sim).await?;
         if listed == 0 {
             break;
         }
         if tokio::time::Instant::now() > deadline {
             bail!(
                 "{listed} servers left after the demand went; log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
+                std::fs::read_to_string(&s.log).unwrap_or_default()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (_, created) = sim_counts(&sim).await?;
+    let (_, created) = sim_counts(&s.sim).await?;
     eprintln!("{ROUNDS} dips: {created} servers created, all deleted at the end");
     if created != PEAK {
         bail!("{created} servers created, {PEAK} wanted");
     }
-    sim.shutdown().await;
+    s.sim.shutdown().await;
+    Ok(())
+}
+
+/// An agent whose `control_admins` lacks the controller's account ignores
+/// the controller's ask-delete and heartbeats on: the controller must say
+/// so in its log (once) instead of asking for ever in silence, and must not
+/// delete the VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root (rabbitmqctl creates the broker accounts)"]
+async fn an_agent_that_ignores_the_controller_s_ask_delete_is_named_in_the_log() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let s = setup(false, "scale_down_delay_secs = 0\nmin_lifetime_secs = 0\n").await?;
+    until_active(&s, 1, 1).await?;
+    let want = "has not answered whether it may be deleted";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        s.bridge.demand(0).await?;
+        let text = std::fs::read_to_string(&s.log).unwrap_or_default();
+        if text.contains(want) {
+            assert_eq!(text.matches(want).count(), 1, "said once; log:\n{text}");
+            assert!(text.contains("control_admins"), "{text}");
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no word of the unanswered ask-delete; log:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (listed, _) = sim_counts(&s.sim).await?;
+    assert_eq!(listed, 1, "the VM whose agent did not agree stays");
+    s.sim.shutdown().await;
     Ok(())
 }
 
