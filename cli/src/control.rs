@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use vq_common::amqp;
-use vq_common::jobs::cancel::{CancelAnswer, CancelRequest};
+use vq_common::jobs::cancel::{CancelAnswer, CancelRequest, Refusal};
 use vq_common::messages::{
     AgentState, Control, ControlAnswer, ControlOutcome, ControlRequest, Message, MAX_REASON_BYTES,
     SCHEMA_VERSION,
@@ -248,9 +248,12 @@ pub async fn run_cancel(
                 job_id,
                 state: format!("{} {}", state.letter(), state.word()),
             }),
-            Some(CancelAnswer::Refused { reason, .. }) => {
-                Err(CliError::QueryRefused { problem: reason })
-            }
+            Some(CancelAnswer::Refused { reason, kind }) => Err(match kind {
+                Refusal::NotPermitted => CliError::Refused { reason },
+                Refusal::UnknownJob => CliError::UnknownJobAnswer { reason },
+                Refusal::BadRequest => CliError::QueryRefused { problem: reason },
+                Refusal::Unavailable => CliError::ControllerBusy { reason },
+            }),
             Some(CancelAnswer::Starting { job_id }) => Err(CliError::QueryRefused {
                 problem: format!(
                     "job {job_id} is starting on an agent and has not reported its start within {:.0} s; try again",
@@ -314,10 +317,7 @@ async fn ask_cancel(
             what: "the controller's cancel answer".into(),
             source,
         })?;
-        let again = matches!(
-            answer,
-            CancelAnswer::Starting { .. } | CancelAnswer::Refused { retry: true, .. }
-        );
+        let again = answer.worth_asking_again();
         let pause = tokio::time::Instant::now() + RETRY_PAUSE;
         if !again || pause >= deadline {
             break answer;

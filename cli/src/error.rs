@@ -194,6 +194,19 @@ pub enum CliError {
         /// How long the command waited, seconds.
         secs: f64,
     },
+    /// The controller's table has no job of this id (prefix), or several.
+    #[error("{reason}")]
+    UnknownJobAnswer {
+        /// The controller's words.
+        reason: String,
+    },
+    /// The controller could not answer for good yet (its table is being
+    /// rebuilt, the broker did not confirm): try again.
+    #[error("the controller cannot answer now: {reason}")]
+    ControllerBusy {
+        /// The controller's words.
+        reason: String,
+    },
     /// The controller refused a job-table query, saying why.
     #[error("the controller refused the query: {problem}")]
     QueryRefused {
@@ -290,6 +303,7 @@ impl CliError {
             | CliError::NoSuchCluster { .. }
             | CliError::NoSuchAgent { .. }
             | CliError::UnknownJob { .. }
+            | CliError::UnknownJobAnswer { .. }
             | CliError::AmbiguousJob { .. } => EXIT_USAGE,
             CliError::Broker { source, .. } => match **source {
                 AmqpError::Connect { .. }
@@ -299,7 +313,8 @@ impl CliError {
             },
             CliError::Controller { .. }
             | CliError::NoController { .. }
-            | CliError::NoAnswer { .. } => EXIT_UNAVAILABLE,
+            | CliError::NoAnswer { .. }
+            | CliError::ControllerBusy { .. } => EXIT_UNAVAILABLE,
             CliError::Refused { .. } => EXIT_REFUSED,
             CliError::NotHere { .. } => EXIT_OTHER,
             CliError::QueryRefused { .. } => EXIT_OTHER,

@@ -140,7 +140,10 @@ fn every_fixture_survives_a_round_trip() {
     ));
     assert!(matches!(
         round_trip::<CancelAnswer>("cancel-answer-refused.json"),
-        CancelAnswer::Refused { retry: false, .. }
+        CancelAnswer::Refused {
+            kind: vq_common::jobs::cancel::Refusal::NotPermitted,
+            ..
+        }
     ));
 }
 

@@ -149,10 +149,20 @@ async fn a_cancelled_queued_job_never_runs_and_shows_x_at_once() -> anyhow::Resu
     }
 
     // Somebody else may see it (or not) but never cancel it.
+    // A refusal exits 77, as an agent's (README, "vq cancel"); an unknown
+    // id 64.
     let o = vq_as(&suite.untrusted, &cluster, &["cancel", &doomed.id])?;
-    ensure!(!o.status.success(), "{}", text(&o.stdout));
+    ensure!(o.status.code() == Some(77), "{o:?}");
     ensure!(
-        text(&o.stderr).contains("is not yours"),
+        text(&o.stderr).starts_with("vq: refused: job ")
+            && text(&o.stderr).contains("is not yours"),
+        "{}",
+        text(&o.stderr)
+    );
+    let o = vq_as(sub, &cluster, &["cancel", "ffffffff-nosuchjob"])?;
+    ensure!(o.status.code() == Some(64), "{o:?}");
+    ensure!(
+        text(&o.stderr).contains("unknown job id"),
         "{}",
         text(&o.stderr)
     );

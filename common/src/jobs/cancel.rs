@@ -90,11 +90,44 @@ pub enum CancelAnswer {
     Refused {
         /// Why, in words.
         reason: String,
-        /// Whether asking again may succeed (the table was incomplete, or
-        /// the broker did not answer).
+        /// What kind of refusal, for the requester's exit status.
         #[serde(default)]
-        retry: bool,
+        kind: Refusal,
     },
+}
+
+/// Why a [`CancelAnswer::Refused`] refused (`vq cancel` exits 77, 64, 1 or
+/// 69 for them, as for an agent's refusal, an unknown job id, a bad request
+/// and an unavailable answer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Refusal {
+    /// The requester may not cancel this job (not its owner, submitter or
+    /// an operator).
+    #[default]
+    NotPermitted,
+    /// No job, or more than one, has this id (prefix).
+    UnknownJob,
+    /// The request was malformed or carried no `user_id`.
+    BadRequest,
+    /// Asking again may succeed: the table was still being rebuilt, or the
+    /// broker did not confirm the withdrawal.
+    Unavailable,
+}
+
+impl CancelAnswer {
+    /// Whether asking again may give another answer (a job starting, or a
+    /// [`Refusal::Unavailable`] refusal).
+    pub fn worth_asking_again(&self) -> bool {
+        matches!(
+            self,
+            CancelAnswer::Starting { .. }
+                | CancelAnswer::Refused {
+                    kind: Refusal::Unavailable,
+                    ..
+                }
+        )
+    }
 }
 
 impl Message for CancelRequest {
@@ -122,10 +155,10 @@ pub enum CancelStep {
     Answer(CancelAnswer),
 }
 
-fn refused(reason: impl Into<String>, retry: bool) -> CancelStep {
+fn refused(reason: impl Into<String>, kind: Refusal) -> CancelStep {
     CancelStep::Answer(CancelAnswer::Refused {
         reason: reason.into(),
-        retry,
+        kind,
     })
 }
 
@@ -145,7 +178,7 @@ pub fn decide(
     let Some(user) = user_id.filter(|u| !u.is_empty()) else {
         return refused(
             "the request carries no user_id: publish it with the user_id property set to your broker user (the broker checks it)",
-            false,
+            Refusal::BadRequest,
         );
     };
     let req = match CancelRequest::decode(body) {
@@ -155,7 +188,7 @@ pub fn decide(
                 DecodeError::Malformed { source, .. } => format!("{e}: {source}"),
                 _ => e.to_string(),
             };
-            return refused(why, false);
+            return refused(why, Refusal::BadRequest);
         }
     };
     let r = match table.find(&req.job_id) {
@@ -166,16 +199,19 @@ pub fn decide(
                     "unknown job id {:?} (the controller is still reading the event stream)",
                     req.job_id
                 ),
-                true,
+                Refusal::Unavailable,
             )
         }
         Err(FindError::Unknown) => {
-            return refused(format!("unknown job id {:?}", req.job_id), false)
+            return refused(
+                format!("unknown job id {:?}", req.job_id),
+                Refusal::UnknownJob,
+            )
         }
         Err(FindError::Ambiguous(ids)) => {
             return refused(
                 format!("job id {:?} is ambiguous: {}", req.job_id, ids.join(", ")),
-                false,
+                Refusal::UnknownJob,
             )
         }
     };
@@ -186,7 +222,7 @@ pub fn decide(
                 "job {} is not yours (owner {}): only its owner, the broker user that submitted it and the controller's [jobs] operators may cancel it",
                 r.id, r.owner
             ),
-            false,
+            Refusal::NotPermitted,
         );
     }
     match r.state {
@@ -259,16 +295,19 @@ mod tests {
             );
         }
         // query_other_jobs lets bob see alice's job, not cancel it.
-        let CancelStep::Answer(CancelAnswer::Refused { reason, retry }) =
+        let CancelStep::Answer(CancelAnswer::Refused { reason, kind }) =
             ask(&t, true, Some("bob"), "q1")
         else {
             panic!("bob cancelled alice's job");
         };
         assert!(reason.contains("not yours (owner alice)"), "{reason}");
-        assert!(!retry);
+        assert_eq!(kind, Refusal::NotPermitted);
         assert!(matches!(
             ask(&t, true, None, "q1"),
-            CancelStep::Answer(CancelAnswer::Refused { retry: false, .. })
+            CancelStep::Answer(CancelAnswer::Refused {
+                kind: Refusal::BadRequest,
+                ..
+            })
         ));
         // A held job is withdrawn as a queued one.
         let mut t = t;
@@ -302,11 +341,17 @@ mod tests {
         );
         assert!(matches!(
             ask(&t, true, Some("alice"), "zz"),
-            CancelStep::Answer(CancelAnswer::Refused { retry: false, .. })
+            CancelStep::Answer(CancelAnswer::Refused {
+                kind: Refusal::UnknownJob,
+                ..
+            })
         ));
         assert!(matches!(
             ask(&t, false, Some("alice"), "zz"),
-            CancelStep::Answer(CancelAnswer::Refused { retry: true, .. })
+            CancelStep::Answer(CancelAnswer::Refused {
+                kind: Refusal::Unavailable,
+                ..
+            })
         ));
         let mut t = t;
         let mut w = JobEvent::about(

@@ -207,7 +207,7 @@ impl Answerer {
                     tracing::warn!(job_id = %job.id, requester = by, "{reason}");
                     CancelAnswer::Refused {
                         reason,
-                        retry: true,
+                        kind: vq_common::jobs::cancel::Refusal::Unavailable,
                     }
                 }
             },
