@@ -435,32 +435,46 @@ pub const UNKNOWN_DEPENDENCY_RETRY: Duration = Duration::from_millis(500);
 pub enum DependencyCheck {
     /// The table knows the job: its full id (a unique prefix is resolved).
     Known(String),
-    /// The table knows it, but the requester may not see it (another
-    /// user's job, `query_other_jobs` off): kept as written.
-    Hidden,
     /// The table does not know it, or several ids start with it: refused.
     Refused(String),
     /// The table is still being rebuilt: kept as written, with a warning.
     Unsure(String),
 }
 
-/// Classifies the answer of a query for dependency id `id`: `rows` (the
-/// records found) or the controller's refusal `problem`
-/// ([`vq_common::jobs::answer`]'s wording).
+/// Classifies the answer of a query for dependency id `id` of a job that
+/// broker user `submitter` submits: `rows` (the records found) or the
+/// controller's refusal `problem` ([`vq_common::jobs::answer`]'s wording).
+/// A dependency names one of the submitter's own jobs (the controller
+/// looks it up among them, [`vq_common::jobs::JobTable::find_by`]): any
+/// submitter may choose any job id, so another's job of that id is no
+/// dependency, and is refused here rather than cancelled later.
 pub fn dependency_answer(
     id: &str,
+    submitter: &str,
     rows: Option<&[vq_common::jobs::JobRecord]>,
     problem: Option<&str>,
 ) -> DependencyCheck {
+    let not_yours = |what: &str| {
+        DependencyCheck::Refused(format!(
+            "{what}: a dependency names a job that you (broker user {submitter:?}) submitted"
+        ))
+    };
     match (rows, problem) {
-        (Some([one, ..]), _) => DependencyCheck::Known(one.id.clone()),
+        (Some([one, ..]), _) if one.submitter.as_deref() == Some(submitter) => {
+            DependencyCheck::Known(one.id.clone())
+        }
+        (Some([one, ..]), _) => not_yours(&format!(
+            "job {} was submitted by {}",
+            one.id,
+            one.submitter.as_deref().unwrap_or("an unknown submitter")
+        )),
         (_, Some(p)) if p.starts_with("unknown job id") && p.contains("still reading") => {
             DependencyCheck::Unsure(p.to_string())
         }
         (_, Some(p)) if p.starts_with("unknown job id") || p.contains("is ambiguous") => {
             DependencyCheck::Refused(p.to_string())
         }
-        (_, Some(_)) => DependencyCheck::Hidden,
+        (_, Some(p)) => not_yours(p),
         _ => DependencyCheck::Refused(format!("unknown job id {id:?}")),
     }
 }
@@ -482,6 +496,7 @@ pub async fn check_dependencies(
     job: &mut Job,
 ) -> Result<(), CliError> {
     let timeout = crate::stat::QUERY_TIMEOUT;
+    let submitter = settings.broker_user();
     for d in &mut job.depend {
         for id in &mut d.jobs {
             let q = vq_common::jobs::JobQuery {
@@ -499,9 +514,9 @@ pub async fn check_dependencies(
                 let check = match crate::stat::ask_controller(conn, settings, q.clone(), timeout)
                     .await
                 {
-                    Ok((rows, _)) => dependency_answer(id, Some(&rows), None),
+                    Ok((rows, _)) => dependency_answer(id, &submitter, Some(&rows), None),
                     Err(CliError::QueryRefused { problem }) => {
-                        dependency_answer(id, None, Some(&problem))
+                        dependency_answer(id, &submitter, None, Some(&problem))
                     }
                     Err(e @ CliError::NoController { .. }) => {
                         eprintln!(
@@ -525,7 +540,6 @@ pub async fn check_dependencies(
             };
             match check {
                 DependencyCheck::Known(full) => *id = full,
-                DependencyCheck::Hidden => {}
                 DependencyCheck::Unsure(problem) => {
                     eprintln!("vq: warning: dependency {id}: {problem}; submitted as written");
                 }
@@ -889,35 +903,46 @@ mod tests {
     fn dependency_ids_are_resolved_refused_or_kept_by_the_tables_answer() {
         let rec: vq_common::jobs::JobRecord = serde_json::from_value(serde_json::json!({
             "id": "3f2a9c1e-5b7d.vq", "submission": null, "name": "n", "owner": "bob",
-            "pool": "p", "submitter": null, "state": "running", "letter": "R", "agent": "",
+            "pool": "p", "submitter": "alice", "state": "running", "letter": "R", "agent": "",
             "attempt": 1, "exit_status": null, "reason": null, "request": null,
             "queued_at": null, "started_at": null, "ended_at": null, "usage": null
         }))
         .unwrap();
         assert_eq!(
-            dependency_answer("3f2a", Some(&[rec]), None),
+            dependency_answer("3f2a", "alice", Some(&[rec.clone()]), None),
             DependencyCheck::Known("3f2a9c1e-5b7d.vq".into())
         );
         assert!(matches!(
-            dependency_answer("zz", None, Some("unknown job id \"zz\"")),
+            dependency_answer("zz", "alice", None, Some("unknown job id \"zz\"")),
             DependencyCheck::Refused(p) if p.contains("unknown job id")
         ));
         assert!(matches!(
-            dependency_answer("3", None, Some("job id \"3\" is ambiguous: 3a, 3b")),
+            dependency_answer(
+                "3",
+                "alice",
+                None,
+                Some("job id \"3\" is ambiguous: 3a, 3b")
+            ),
             DependencyCheck::Refused(_)
         ));
         assert!(matches!(
             dependency_answer(
                 "zz",
+                "alice",
                 None,
                 Some("unknown job id \"zz\" (the controller is still reading the event stream)")
             ),
             DependencyCheck::Unsure(_)
         ));
-        assert_eq!(
-            dependency_answer("b1", None, Some("job b1 is not yours (owner bob): ...")),
-            DependencyCheck::Hidden
-        );
+        // Another user's job, hidden or seen, is no dependency.
+        assert!(matches!(
+            dependency_answer("b1", "alice", None, Some("job b1 is not yours (owner bob): ...")),
+            DependencyCheck::Refused(p) if p.contains("not yours") && p.contains("that you (broker user \"alice\") submitted")
+        ));
+        assert!(matches!(
+            dependency_answer("3f2a", "mallory", Some(&[rec]), None),
+            DependencyCheck::Refused(p) if p.contains("was submitted by alice")
+        ));
     }
 
     #[test]

@@ -191,7 +191,8 @@ pub fn decide(
             return refused(why, Refusal::BadRequest);
         }
     };
-    let r = match table.find(&req.job_id) {
+    let operator = vis.operators.iter().any(|o| o == user);
+    let r = match table.find_for(&req.job_id, user, operator) {
         Ok(r) => r,
         Err(FindError::Unknown) if !complete => {
             return refused(
@@ -215,7 +216,6 @@ pub fn decide(
             )
         }
     };
-    let operator = vis.operators.iter().any(|o| o == user);
     if !operator && !own(&r, user) {
         return refused(
             format!(

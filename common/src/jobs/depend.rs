@@ -50,8 +50,14 @@ fn how_it_ended(r: &JobRecord) -> String {
     }
 }
 
-fn one(kind: DependKind, id: &str, table: &JobTable, unknown_is_never: Option<u64>) -> One {
-    let r = match table.find(id) {
+fn one(
+    kind: DependKind,
+    id: &str,
+    submitter: &str,
+    table: &JobTable,
+    unknown_is_never: Option<u64>,
+) -> One {
+    let r = match table.find_by(id, submitter) {
         Ok(r) => r,
         Err(FindError::Ambiguous(ids)) => {
             return One::Never(format!("{id} names several jobs: {}", ids.join(", ")))
@@ -78,10 +84,15 @@ fn one(kind: DependKind, id: &str, table: &JobTable, unknown_is_never: Option<u6
 }
 
 /// What to do with a held job whose dependencies are `depend`, given the
-/// job table `table`. An id is looked up as `vq stat` does
-/// ([`JobTable::find`]: the exact id, else a unique prefix, so an id kept
-/// as written by a `vq submit` that could not resolve it still works; a
-/// prefix several ids share can never be satisfied). An id the table does
+/// job table `table`, submitted by broker user `submitter` (validated by
+/// the broker). An id is looked up among that submitter's jobs only
+/// ([`JobTable::find_by`]: the exact id, else a unique prefix, so an id
+/// kept as written by a `vq submit` that could not resolve it still works;
+/// a prefix several of its ids share can never be satisfied): any
+/// submitter may publish a job under any id, and another's job of the same
+/// id must neither satisfy, nor doom, nor make ambiguous this one's
+/// dependency (Torque assigns ids on its server; vq's are chosen by the
+/// submitter, so a dependency names one's own job). An id the table does
 /// not know is waited for, unless
 /// `unknown_after_grace` is `Some(grace)` (the job was submitted at least
 /// `grace` seconds ago, the controller's `depend_grace_secs`): then it can
@@ -90,13 +101,14 @@ fn one(kind: DependKind, id: &str, table: &JobTable, unknown_is_never: Option<u6
 /// the reason. An empty `depend` is [`Decision::Release`].
 pub fn decide(
     depend: &[Dependency],
+    submitter: &str,
     table: &JobTable,
     unknown_after_grace: Option<u64>,
 ) -> Decision {
     let mut wait = None;
     for d in depend {
         for id in &d.jobs {
-            match one(d.kind, id, table, unknown_after_grace) {
+            match one(d.kind, id, submitter, table, unknown_after_grace) {
                 One::Satisfied => {}
                 One::Pending(why) => {
                     wait.get_or_insert(why);
@@ -119,8 +131,8 @@ pub fn decide(
 /// The reason shown for a held job (`vq stat -s`, `-f`, `/jobs`): the
 /// [`Decision::Wait`] reason of [`decide`] without the grace rule, or what
 /// the controller is about to do.
-pub fn held_reason(depend: &[Dependency], table: &JobTable) -> String {
-    match decide(depend, table, None) {
+pub fn held_reason(depend: &[Dependency], submitter: &str, table: &JobTable) -> String {
+    match decide(depend, submitter, table, None) {
         Decision::Wait(why) => why,
         Decision::Release => "held: dependencies satisfied, being released".into(),
         Decision::Never(why) => format!("held: {why} (being cancelled)"),
@@ -228,7 +240,7 @@ mod tests {
             (AfterAny, "f", 'R'),
         ];
         for (kind, job, want) in cases {
-            let got = match decide(&[dep(kind, &[job])], &t, Some(120)) {
+            let got = match decide(&[dep(kind, &[job])], "alice", &t, Some(120)) {
                 Decision::Wait(_) => 'W',
                 Decision::Release => 'R',
                 Decision::Never(_) => 'N',
@@ -242,21 +254,21 @@ mod tests {
         use DependKind::{AfterAny, AfterNotOk, AfterOk};
         let t = table();
         assert_eq!(
-            decide(&[dep(AfterOk, &["r"])], &t, None),
+            decide(&[dep(AfterOk, &["r"])], "alice", &t, None),
             Decision::Wait("held: afterok r not finished".into())
         );
         assert_eq!(
-            decide(&[dep(AfterOk, &["bad"])], &t, None),
+            decide(&[dep(AfterOk, &["bad"])], "alice", &t, None),
             Decision::Never("dependency afterok:bad can never be satisfied: bad exited 1".into())
         );
         assert_eq!(
-            decide(&[dep(AfterOk, &["f"])], &t, None),
+            decide(&[dep(AfterOk, &["f"])], "alice", &t, None),
             Decision::Never(
                 "dependency afterok:f can never be satisfied: f failed: node lost".into()
             )
         );
         assert_eq!(
-            decide(&[dep(AfterNotOk, &["ok"])], &t, None),
+            decide(&[dep(AfterNotOk, &["ok"])], "alice", &t, None),
             Decision::Never("dependency afternotok:ok can never be satisfied: ok exited 0".into())
         );
         // All must hold: one pending keeps it waiting, one never cancels it
@@ -264,6 +276,7 @@ mod tests {
         assert_eq!(
             decide(
                 &[dep(AfterOk, &["ok", "q"]), dep(AfterAny, &["bad"])],
+                "alice",
                 &t,
                 None
             ),
@@ -272,16 +285,17 @@ mod tests {
         assert_eq!(
             decide(
                 &[dep(AfterOk, &["ok"]), dep(AfterAny, &["bad", "x"])],
+                "alice",
                 &t,
                 None
             ),
             Decision::Release
         );
         assert!(matches!(
-            decide(&[dep(AfterAny, &["q"]), dep(AfterOk, &["x"])], &t, None),
+            decide(&[dep(AfterAny, &["q"]), dep(AfterOk, &["x"])], "alice", &t, None),
             Decision::Never(w) if w.contains("afterok:x") && w.contains("x was cancelled")
         ));
-        assert_eq!(decide(&[], &t, None), Decision::Release);
+        assert_eq!(decide(&[], "alice", &t, None), Decision::Release);
     }
 
     #[test]
@@ -289,7 +303,7 @@ mod tests {
         let t = table();
         // A unique prefix names its job; a shared one never can.
         assert_eq!(
-            decide(&[dep(DependKind::AfterOk, &["o"])], &t, None),
+            decide(&[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
             Decision::Release
         );
         let mut two = table();
@@ -298,22 +312,68 @@ mod tests {
             two.apply(&e, Some(&e.message_id()));
         }
         assert!(matches!(
-            decide(&[dep(DependKind::AfterAny, &["ab"])], &two, None),
+            decide(&[dep(DependKind::AfterAny, &["ab"])], "alice", &two, None),
             Decision::Never(w) if w.contains("ab names several jobs: ab1, ab2")
         ));
         let d = [dep(DependKind::AfterOk, &["nosuch"])];
         assert_eq!(
-            decide(&d, &t, None),
+            decide(&d, "alice", &t, None),
             Decision::Wait("held: afterok nosuch unknown (yet)".into())
         );
         assert!(matches!(
-            decide(&d, &t, Some(120)),
+            decide(&d, "alice", &t, Some(120)),
             Decision::Never(w) if w.contains("nosuch is not in the job table 120 s after submission")
         ));
-        assert_eq!(held_reason(&d, &t), "held: afterok nosuch unknown (yet)");
         assert_eq!(
-            held_reason(&[dep(DependKind::AfterOk, &["r"])], &t),
+            held_reason(&d, "alice", &t),
+            "held: afterok nosuch unknown (yet)"
+        );
+        assert_eq!(
+            held_reason(&[dep(DependKind::AfterOk, &["r"])], "alice", &t),
             "held: afterok r not finished"
+        );
+    }
+
+    /// Another submitter's job under the same id (any submitter may publish
+    /// any id) neither satisfies, nor dooms, nor makes ambiguous a
+    /// dependency: it names the dependent job's submitter's own job.
+    #[test]
+    fn another_submitter_s_job_of_the_same_id_is_not_the_dependency() {
+        let mut t = table();
+        // mallory publishes her own "q" (alice's is queued) and it ends 0,
+        // and her "bad" that exits 0, and an "ok2" beside alice's "ok".
+        let mut forged = |id: &str, state: JobState| {
+            let mut e = JobEvent::about(None, id, "p", "ag", Some("mallory"), state);
+            e.owner = "mallory".into();
+            e.submission = Some(format!("m-{id}"));
+            t.apply(&e, Some(&e.message_id()));
+        };
+        let q = || JobState::Queued {
+            request: JobRequest::default(),
+        };
+        for id in ["q", "bad", "ok2"] {
+            forged(id, q());
+            forged(id, JobState::Started);
+            forged(id, finished(Outcome::Exited { code: 0 }));
+        }
+        assert_eq!(
+            decide(&[dep(DependKind::AfterOk, &["q"])], "alice", &t, None),
+            Decision::Wait("held: afterok q not finished".into()),
+            "mallory's q is not alice's"
+        );
+        assert!(matches!(
+            decide(&[dep(DependKind::AfterOk, &["bad"])], "alice", &t, None),
+            Decision::Never(w) if w.contains("bad exited 1")
+        ));
+        assert_eq!(
+            decide(&[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
+            Decision::Release,
+            "mallory's ok2 does not make alice's prefix o ambiguous"
+        );
+        assert_eq!(
+            decide(&[dep(DependKind::AfterOk, &["q"])], "mallory", &t, None),
+            Decision::Release,
+            "mallory's own q"
         );
     }
 }

@@ -178,7 +178,7 @@ pub fn answer(
     };
     if !q.ids.is_empty() {
         for id in &q.ids {
-            match table.find(id) {
+            match table.find_for(id, user, sees_all) {
                 Ok(r) if sees_all || own(&r, user) => page.jobs.push(r),
                 Ok(r) => {
                     return JobPage::refusal(

@@ -658,6 +658,99 @@ impl JobTable {
         }
     }
 
+    /// The latest job of `id` whose record `keep` accepts (latest first:
+    /// sequence numbers grow with each submission).
+    fn latest_where(&self, id: &str, keep: &dyn Fn(&Rec) -> bool) -> Option<&Rec> {
+        let e = self.ids.get(id)?;
+        e.seqs()
+            .filter_map(|q| self.recs.get(&q).map(|r| (q, r)))
+            .filter(|(_, r)| keep(r))
+            .max_by_key(|(q, _)| *q)
+            .map(|(_, r)| r)
+    }
+
+    /// The job of `id` whose submission fingerprint is `submission`, if the
+    /// table holds it (whichever submission of the id is the latest).
+    pub fn get_submission(&self, id: &str, submission: &str) -> Option<JobRecord> {
+        self.latest_where(id, &|r: &Rec| r.submission.as_deref() == Some(submission))
+            .map(Rec::to_record)
+    }
+
+    /// [`JobTable::find`] among the jobs broker user `submitter` submitted
+    /// (the broker-validated submitter of their `queued` or `held` event):
+    /// the exact id, else the one id with such a job that starts with
+    /// `wanted`. Another submitter's job of the same id is not seen, so a
+    /// message that reuses an id (any submitter may publish any id) cannot
+    /// stand in for this submitter's job, nor make its prefix ambiguous: a
+    /// held job's dependencies are looked up this way
+    /// ([`crate::jobs::depend::decide`]).
+    ///
+    /// # Errors
+    /// [`FindError::Unknown`] or [`FindError::Ambiguous`].
+    pub fn find_by(&self, wanted: &str, submitter: &str) -> Result<JobRecord, FindError> {
+        let keep = |r: &Rec| r.submitter.as_deref() == Some(submitter);
+        self.find_where(wanted, &keep)
+    }
+
+    /// [`JobTable::find`] that prefers the jobs `user` owns or submitted:
+    /// the exact id or a unique prefix among those first, then the exact id
+    /// among all jobs (whose record the caller then judges: not yours,
+    /// visible by `query_other_jobs`). A prefix is matched against other
+    /// users' ids only when `others` (the caller may see every job), so
+    /// that a refusal never tells a user the full id of a job they may not
+    /// see, and another user's reuse of an id never hides a user's own job.
+    ///
+    /// # Errors
+    /// [`FindError::Unknown`] or [`FindError::Ambiguous`].
+    pub fn find_for(&self, wanted: &str, user: &str, others: bool) -> Result<JobRecord, FindError> {
+        let mine = |r: &Rec| &*r.owner == user || r.submitter.as_deref() == Some(user);
+        match self.find_where(wanted, &mine) {
+            Err(FindError::Unknown) => {}
+            found => return found,
+        }
+        if others {
+            return self.find(wanted);
+        }
+        self.get(wanted).ok_or(FindError::Unknown)
+    }
+
+    fn find_where(
+        &self,
+        wanted: &str,
+        keep: &dyn Fn(&Rec) -> bool,
+    ) -> Result<JobRecord, FindError> {
+        if let Some(r) = self.latest_where(wanted, keep) {
+            return Ok(r.to_record());
+        }
+        if wanted.is_empty() {
+            return Err(FindError::Unknown);
+        }
+        let mut ids = self
+            .ids
+            .range::<str, _>((
+                std::ops::Bound::Included(wanted),
+                std::ops::Bound::Unbounded,
+            ))
+            .map(|(id, _)| &**id)
+            .take_while(|id| id.starts_with(wanted))
+            .filter(|id| self.latest_where(id, keep).is_some());
+        let first = ids.next();
+        let more: Vec<&str> = ids.take(19).collect();
+        match (first, more.is_empty()) {
+            (Some(one), true) => self
+                .latest_where(one, keep)
+                .map(Rec::to_record)
+                .ok_or(FindError::Unknown),
+            (None, _) => Err(FindError::Unknown),
+            (Some(one), false) => Err(FindError::Ambiguous(
+                std::iter::once(one)
+                    .chain(more)
+                    .map(str::to_string)
+                    .collect(),
+            )),
+        }
+    }
+
     fn candidates(
         &self,
         user: Option<&String>,
@@ -1125,5 +1218,49 @@ mod tests {
         );
         assert_eq!(t.find("q").unwrap_err(), FindError::Unknown);
         assert_eq!(t.find("").unwrap_err(), FindError::Unknown);
+    }
+
+    /// Another submitter's reuse of an id (anyone may publish any id) does
+    /// not hide a user's own job from them, nor do prefixes of jobs a user
+    /// may not see resolve (a refusal would tell the full id); the exact
+    /// id still names the latest job, for the caller to judge.
+    #[test]
+    fn a_user_finds_their_own_job_first_and_no_prefix_of_others() {
+        let mut t = JobTable::new();
+        apply(&mut t, &queued("dd3dc142-a", "s-alice", 1.0));
+        let mut m = queued("dd3dc142-a", "s-mallory", 2.0);
+        m.owner = "mallory".into();
+        m.submitter = Some("mallory".into());
+        apply(&mut t, &m);
+        let mut other = queued("e5-bob", "s-bob", 3.0);
+        other.owner = "bob".into();
+        other.submitter = Some("bob".into());
+        apply(&mut t, &other);
+        assert_eq!(t.find("dd3dc142-a").unwrap().owner, "mallory", "latest");
+        let mine = t.find_for("dd3dc142-a", "alice", false).unwrap();
+        assert_eq!(mine.submission.as_deref(), Some("s-alice"));
+        assert_eq!(t.find_for("dd3", "alice", false).unwrap().owner, "alice");
+        assert_eq!(
+            t.find_for("dd3", "mallory", false).unwrap().owner,
+            "mallory"
+        );
+        // Bob's job: its prefix is nobody else's, its exact id the caller's
+        // to judge.
+        assert_eq!(
+            t.find_for("e5", "alice", false).unwrap_err(),
+            FindError::Unknown
+        );
+        assert_eq!(t.find_for("e5", "alice", true).unwrap().owner, "bob");
+        assert_eq!(t.find_for("e5-bob", "alice", false).unwrap().owner, "bob");
+        // Dependencies: by submitter only.
+        assert_eq!(
+            t.find_by("dd3", "alice").unwrap().submission.as_deref(),
+            Some("s-alice")
+        );
+        assert_eq!(t.find_by("e5", "alice").unwrap_err(), FindError::Unknown);
+        assert_eq!(
+            t.get_submission("dd3dc142-a", "s-alice").unwrap().owner,
+            "alice"
+        );
     }
 }

@@ -55,7 +55,12 @@ impl JobsView {
         }
         if r.state == vq_common::jobs::State::Held && r.reason.is_none() {
             let depend = r.request.as_ref().map_or(&[][..], |q| &q.depend[..]);
-            r.reason = Some(vq_common::jobs::depend::held_reason(depend, &self.table));
+            let submitter = r.submitter.as_deref().unwrap_or_default();
+            r.reason = Some(vq_common::jobs::depend::held_reason(
+                depend,
+                submitter,
+                &self.table,
+            ));
         }
     }
 }

@@ -72,13 +72,15 @@ pub enum Step {
 }
 
 /// What to do with held job `job`, whose message body has the fingerprint
-/// `submission`, given the job table `table` (`complete`: caught up with
+/// `submission`, published by broker user `submitter` (its validated
+/// `user_id`; its dependencies name that submitter's jobs), given the job table `table` (`complete`: caught up with
 /// the stream), at Unix time `now`, with the grace for unknown dependency
 /// ids `grace_secs` counted from the job's `submitted_at`. Nothing is
 /// decided on an incomplete table.
 pub fn step(
     job: &Job,
     submission: &str,
+    submitter: &str,
     table: &JobTable,
     complete: bool,
     now: f64,
@@ -87,15 +89,17 @@ pub fn step(
     if !complete {
         return Step::Keep("the job table is being rebuilt".into());
     }
-    if let Some(r) = table.get(&job.id) {
-        if r.submission.as_deref() == Some(submission) && r.state != State::Held {
+    // This very submission's record: another submission of the id (a
+    // later one, anybody's) says nothing about it.
+    if let Some(r) = table.get_submission(&job.id, submission) {
+        if r.state != State::Held {
             return Step::Drop(r.state);
         }
     }
     #[allow(clippy::cast_precision_loss)]
     let age = now - job.submitted_at as f64;
     let after_grace = (age >= grace_secs as f64).then_some(grace_secs);
-    match decide(&job.depend, table, after_grace) {
+    match decide(&job.depend, submitter, table, after_grace) {
         Decision::Wait(why) => Step::Keep(why),
         Decision::Release => Step::Release,
         Decision::Never(why) => Step::Never(why),
@@ -215,6 +219,7 @@ impl Holder {
                     step(
                         &h.job,
                         &h.submission,
+                        &h.submitter,
                         &v.table,
                         v.complete,
                         now,
@@ -395,11 +400,11 @@ mod tests {
             },
         );
         assert!(matches!(
-            step(&b, sub, &t, false, 1001.0, 120),
+            step(&b, sub, "alice", &t, false, 1001.0, 120),
             Step::Keep(_)
         ));
         assert_eq!(
-            step(&b, sub, &t, true, 1001.0, 120),
+            step(&b, sub, "alice", &t, true, 1001.0, 120),
             Step::Keep("held: afterok a1 not finished".into())
         );
         apply(&mut t, "a1", "sa", JobState::Started);
@@ -412,7 +417,7 @@ mod tests {
                 usage: Usage::default(),
             },
         );
-        assert_eq!(step(&b, sub, &t, true, 1001.0, 120), Step::Release);
+        assert_eq!(step(&b, sub, "alice", &t, true, 1001.0, 120), Step::Release);
         // Released (its queued event applied): a redelivery is dropped.
         apply(
             &mut t,
@@ -423,15 +428,18 @@ mod tests {
             },
         );
         assert_eq!(
-            step(&b, sub, &t, true, 1001.0, 120),
+            step(&b, sub, "alice", &t, true, 1001.0, 120),
             Step::Drop(State::Queued)
         );
         // Another submission under the same id is not this one.
-        assert_eq!(step(&b, "other", &t, true, 1001.0, 120), Step::Release);
+        assert_eq!(
+            step(&b, "other", "alice", &t, true, 1001.0, 120),
+            Step::Release
+        );
 
         let c = job(&[(DependKind::AfterNotOk, "a1")], 1000);
         assert_eq!(
-            step(&c, "sc", &t, true, 1001.0, 120),
+            step(&c, "sc", "alice", &t, true, 1001.0, 120),
             Step::Never("dependency afternotok:a1 can never be satisfied: a1 exited 0".into())
         );
         // A cancelled held job is dropped.
@@ -455,7 +463,7 @@ mod tests {
         let mut c1 = c.clone();
         c1.id = "c1".into();
         assert_eq!(
-            step(&c1, "sc", &t, true, 1001.0, 120),
+            step(&c1, "sc", "alice", &t, true, 1001.0, 120),
             Step::Drop(State::Cancelled)
         );
     }
@@ -465,10 +473,10 @@ mod tests {
         let t = JobTable::new();
         let d = job(&[(DependKind::AfterAny, "nosuch")], 1000);
         assert!(
-            matches!(step(&d, "s", &t, true, 1119.0, 120), Step::Keep(w) if w.contains("unknown"))
+            matches!(step(&d, "s", "alice", &t, true, 1119.0, 120), Step::Keep(w) if w.contains("unknown"))
         );
         assert!(matches!(
-            step(&d, "s", &t, true, 1120.0, 120),
+            step(&d, "s", "alice", &t, true, 1120.0, 120),
             Step::Never(w) if w.contains("afterany:nosuch can never be satisfied")
         ));
     }
