@@ -404,7 +404,7 @@ fn errors(h: &mut String, r: &StatusReport) {
         list.push(format!("cloud: {e}"));
     }
     if let Some(e) = &r.broker_access_refused {
-        list.push(format!("broker refused a permission: {e}"));
+        list.push(format!("broker refused: {e}"));
     }
     if let Some(e) = &r.broker_blocked {
         list.push(format!("broker blocks publishing: {e}"));

@@ -89,7 +89,15 @@ impl Refusals {
     pub fn note(&mut self, e: &AmqpError) {
         if let Some(text) = e.access_refused() {
             if self.first.is_none() {
-                tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /readyz reports 503");
+                // A refused login (wrong user or password, or no access to
+                // the vhost) is no missing permission: say which it is.
+                let text = if matches!(e, AmqpError::Connect { .. }) {
+                    tracing::error!(refused = %text, "the broker refused the controller's login: check the user and password of [broker] url and the user's access to the vhost; /readyz reports 503");
+                    format!("login refused (check the user and password of [broker] url, and the user's access to the vhost): {text}")
+                } else {
+                    tracing::error!(refused = %text, "the broker refused an operation: the controller's account lacks a permission (README.md, \"Broker accounts and trust\"); /readyz reports 503");
+                    format!("permission refused: {text}")
+                };
                 self.first = Some(text);
             }
         }
@@ -107,6 +115,42 @@ mod tests {
     use super::*;
     use crate::error::CloudError;
     use vq_common::amqp::AmqpError;
+
+    fn access_refused(text: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(
+            lapin::protocol::AMQPError::from_id(403, text.into()).unwrap(),
+        )
+        .into()
+    }
+
+    /// A refused login is told from a missing permission (the operator's
+    /// fix differs: the password, or `set_permissions`).
+    #[test]
+    fn a_refused_login_is_no_missing_permission() {
+        let mut r = Refusals::default();
+        r.note(&AmqpError::Connect {
+            url: "amqp://ctl@h/%2f".into(),
+            source: access_refused(
+                "ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN",
+            ),
+        });
+        let t = r.take().unwrap();
+        assert!(
+            t.starts_with("login refused (check the user and password"),
+            "{t}"
+        );
+        r.note(&AmqpError::Op {
+            what: "declare".into(),
+            source: access_refused(
+                "ACCESS_REFUSED - access to exchange 'vq.x' in vhost '/' refused for user 'ctl'",
+            ),
+        });
+        let t = r.take().unwrap();
+        assert!(
+            t.starts_with("permission refused: ACCESS_REFUSED - access to exchange"),
+            "{t}"
+        );
+    }
 
     fn status(code: u16, retry_after: Option<u64>) -> CloudError {
         CloudError::Status {

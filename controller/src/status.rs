@@ -614,9 +614,7 @@ pub fn readiness(report: &StatusReport) -> Vec<String> {
         reasons.push("not connected to the broker".to_string());
     }
     if let Some(r) = &report.broker_access_refused {
-        reasons.push(format!(
-            "the broker refused a permission of the controller's account: {r}"
-        ));
+        reasons.push(format!("the broker refused the controller's account: {r}"));
     }
     if let Some(b) = &report.broker_blocked {
         reasons.push(format!(
