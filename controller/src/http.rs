@@ -17,6 +17,7 @@
 //!   ([`crate::jobs::http`]).
 
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -37,6 +38,27 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The job table API (`/jobs`, [`crate::jobs::http`]).
     pub jobs: crate::jobs::http::JobsApi,
+    /// When the controller started: `uptime_secs` of `/status` and of the
+    /// page is counted from it when they are served.
+    pub started: Instant,
+}
+
+impl AppState {
+    /// The latest status report as served: `generated_at` (Unix seconds)
+    /// and `uptime_secs` are those of the request, not of the last
+    /// successful observation, so that a controller that never observed
+    /// (wrong broker password) or lost its broker does not show
+    /// "Generated at Unix time 0", "Up 0s" or stale times.
+    pub fn served_status(&self) -> StatusReport {
+        let mut report = self
+            .status
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        report.generated_at = vq_common::messages::unix_now();
+        report.uptime_secs = self.started.elapsed().as_secs_f64();
+        report
+    }
 }
 
 /// The router (`/`, `/healthz`, `/readyz`, `/status`, `/metrics`).
@@ -67,13 +89,11 @@ async fn readyz(State(s): State<AppState>) -> Response {
 }
 
 async fn status(State(s): State<AppState>) -> Json<StatusReport> {
-    let report = s.status.read().unwrap_or_else(|p| p.into_inner()).clone();
-    Json(report)
+    Json(s.served_status())
 }
 
 async fn page(State(s): State<AppState>) -> Html<String> {
-    let report = s.status.read().unwrap_or_else(|p| p.into_inner()).clone();
-    Html(crate::page::render(&report))
+    Html(crate::page::render(&s.served_status()))
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -138,10 +158,16 @@ mod tests {
                 jobs: Default::default(),
                 token: None,
             },
+            // Started 100 s ago, never observed: the report's own
+            // `generated_at` and `uptime_secs` are 0.
+            started: Instant::now()
+                .checked_sub(std::time::Duration::from_secs(100))
+                .unwrap(),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
+        let before = vq_common::messages::unix_now();
         let server = tokio::spawn(serve(listener, state, stop.clone()));
         let get = |path: &str| {
             let path = path.to_string();
@@ -167,7 +193,19 @@ mod tests {
         );
         let status = get("/status").await;
         let body = status.split("\r\n\r\n").nth(1).unwrap();
-        let parsed: StatusReport = serde_json::from_str(body).unwrap();
+        let mut parsed: StatusReport = serde_json::from_str(body).unwrap();
+        assert!(
+            parsed.generated_at >= before && parsed.generated_at <= vq_common::messages::unix_now(),
+            "generated when served, not Unix time 0: {}",
+            parsed.generated_at
+        );
+        assert!(
+            parsed.uptime_secs >= 100.0,
+            "uptime counted from the start, not 0: {}",
+            parsed.uptime_secs
+        );
+        parsed.generated_at = report.generated_at;
+        parsed.uptime_secs = report.uptime_secs;
         assert_eq!(parsed, report);
         let refused = "ACCESS_REFUSED - write access to exchange 'vq.control' in vhost '/' refused for user 'ctl'";
         state_status.write().unwrap().broker_access_refused = Some(refused.into());
@@ -196,6 +234,10 @@ mod tests {
             "{page}"
         );
         assert!(page.contains("not connected to the broker"), "{page}");
+        assert!(
+            !page.contains("Generated at Unix time 0 ") && !page.contains("Up 0s"),
+            "times of the request: {page}"
+        );
         let m = get("/metrics").await;
         assert!(m.contains("vq_pool_queued{pool=\"cms\"} 7"), "{m}");
         assert!(

@@ -220,6 +220,66 @@ pub fn rabbitmq_reason(reason: &str) -> &'static str {
     }
 }
 
+/// The `reason` labels of `vq_servers_deleted_total`
+/// ([`crate::plan::DeleteCause::label`]).
+pub const DELETE_REASONS: [&str; 5] = ["agreed", "error", "stuck-build", "black-hole", "dead"];
+
+/// The `reason` labels of `vq_boot_failures_total`
+/// ([`crate::status::count_actions`]): a refused create, an image or
+/// flavor not resolved, user-data not built, and servers deleted in ERROR,
+/// stuck in BUILD or without a heartbeat (black hole).
+pub const BOOT_FAILURE_REASONS: [&str; 6] = [
+    "create",
+    "resolve",
+    "user-data",
+    "error",
+    "stuck-build",
+    "black-hole",
+];
+
+/// The `reason` labels of [`failure_reason`] (and so of a failed job's
+/// `vq_jobs_ended_total` series).
+pub const FAILURE_REASONS: [&str; 7] = [
+    "rabbitmq-delivery-limit",
+    "rabbitmq-expired",
+    "rabbitmq-rejected",
+    "rabbitmq-maxlen",
+    "rabbitmq-other",
+    "node-lost",
+    "refused",
+];
+
+/// The `reason` labels of `vq_jobs_dead_lettered_total`: those of
+/// [`failure_reason`], and `unknown` for a dead letter without a reason
+/// header ([`crate::dead_watch::dead_letter_labels`]).
+pub const DEAD_LETTER_REASONS: [&str; 8] = [
+    "rabbitmq-delivery-limit",
+    "rabbitmq-expired",
+    "rabbitmq-rejected",
+    "rabbitmq-maxlen",
+    "rabbitmq-other",
+    "node-lost",
+    "refused",
+    "unknown",
+];
+
+/// The `reason` labels of `vq_jobs_requeued_total`.
+pub const REQUEUE_REASONS: [&str; 1] = ["node-lost"];
+
+/// The `(outcome, reason)` labels of `vq_jobs_ended_total` other than
+/// `failed` ([`job_end_labels`]; `failed` has [`FAILURE_REASONS`] and
+/// `duplicate`).
+pub const JOB_END_LABELS: [(&str, &str); 8] = [
+    ("finished", "exit-zero"),
+    ("finished", "exit-nonzero"),
+    ("finished", "signal"),
+    ("finished", "walltime"),
+    ("finished", "output-limit"),
+    ("finished", "failed-to-start"),
+    ("cancelled", "cancelled"),
+    ("cancelled", "withdrawn"),
+];
+
 /// The VM states of `vq_pool_vms{state}`.
 pub const VM_STATES: [&str; 4] = ["booting", "active", "draining", "error"];
 
@@ -472,6 +532,68 @@ impl Metrics {
             m.pool_boot_failures.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Creates, at 0, every counter series of `pool` whose labels are a
+    /// closed set: `vq_servers_created_total{pool}`,
+    /// `vq_servers_deleted_total{pool,reason}` ([`DELETE_REASONS`]),
+    /// `vq_boot_failures_total{pool,reason}` ([`BOOT_FAILURE_REASONS`]),
+    /// `vq_jobs_dead_lettered_total{pool,reason}` ([`DEAD_LETTER_REASONS`]),
+    /// `vq_jobs_requeued_total{pool,reason}` ([`REQUEUE_REASONS`]) and
+    /// `vq_jobs_ended_total{pool,outcome,reason}` ([`JOB_END_LABELS`],
+    /// `failed` × [`FAILURE_REASONS`] and `duplicate`). Prometheus'
+    /// `increase()` needs a sample before the first count: a series born
+    /// at 1 would never fire `VqBootFailures`, `VqBlackHolePool`,
+    /// `VqDeadLettersGrowing` or `VqAgentsLost` for its first event. The
+    /// controller calls it for every configured pool when it starts.
+    /// Counts already made are kept. `vq_cloud_requests_total{op,status}`
+    /// is not pre-created: its `status` (HTTP code) is open, and no rule
+    /// alerts on it (`VqCloudErrors` uses the unlabelled
+    /// `vq_cloud_errors_total`, served at 0 from the start).
+    pub fn init_pool(&self, pool: &str) {
+        let _ = self.created.get_or_create(&Self::pool(pool));
+        for reason in DELETE_REASONS {
+            let _ = self
+                .deleted
+                .get_or_create(&Self::pool_and(pool, "reason", reason));
+        }
+        for reason in BOOT_FAILURE_REASONS {
+            let _ = self
+                .boot_failures
+                .get_or_create(&Self::pool_and(pool, "reason", reason));
+        }
+        for reason in DEAD_LETTER_REASONS {
+            let _ = self
+                .jobs_dead_lettered
+                .get_or_create(&Self::pool_and(pool, "reason", reason));
+        }
+        for reason in REQUEUE_REASONS {
+            let _ = self
+                .jobs_requeued
+                .get_or_create(&Self::pool_and(pool, "reason", reason));
+        }
+        let failed = FAILURE_REASONS
+            .into_iter()
+            .chain(["duplicate"])
+            .map(|r| ("failed", r));
+        for (outcome, reason) in JOB_END_LABELS.into_iter().chain(failed) {
+            let _ = self.jobs_ended.get_or_create(&vec![
+                ("pool".into(), pool.to_string()),
+                ("outcome".into(), outcome.into()),
+                ("reason".into(), reason.into()),
+            ]);
+        }
+    }
+
+    /// [`Metrics::new`] with every closed-label counter series of each of
+    /// `pools` at 0 ([`Metrics::init_pool`]): the registry of a starting
+    /// controller.
+    pub fn for_pools<'a>(pools: impl IntoIterator<Item = &'a str>) -> Self {
+        let m = Self::new();
+        for pool in pools {
+            m.init_pool(pool);
+        }
+        m
     }
 
     /// Labels `pool=<pool>`.
@@ -830,5 +952,97 @@ mod tests {
             .contains("vq_quota_limit{resource=\"instances\"}"));
         m.quota_unknown();
         assert!(!m.render().contains("vq_quota_used{"), "not read: absent");
+    }
+
+    #[test]
+    fn a_starting_controller_serves_every_closed_counter_series_at_zero() {
+        let m = Metrics::for_pools(["cms", "atlas"]);
+        let text = m.render();
+        for pool in ["cms", "atlas"] {
+            let mut want = vec![format!("vq_servers_created_total{{pool=\"{pool}\"}} 0")];
+            for r in DELETE_REASONS {
+                want.push(format!(
+                    "vq_servers_deleted_total{{pool=\"{pool}\",reason=\"{r}\"}} 0"
+                ));
+            }
+            for r in BOOT_FAILURE_REASONS {
+                want.push(format!(
+                    "vq_boot_failures_total{{pool=\"{pool}\",reason=\"{r}\"}} 0"
+                ));
+            }
+            for r in DEAD_LETTER_REASONS {
+                want.push(format!(
+                    "vq_jobs_dead_lettered_total{{pool=\"{pool}\",reason=\"{r}\"}} 0"
+                ));
+            }
+            for r in REQUEUE_REASONS {
+                want.push(format!(
+                    "vq_jobs_requeued_total{{pool=\"{pool}\",reason=\"{r}\"}} 0"
+                ));
+            }
+            let failed = FAILURE_REASONS
+                .into_iter()
+                .chain(["duplicate"])
+                .map(|r| ("failed", r));
+            for (o, r) in JOB_END_LABELS.into_iter().chain(failed) {
+                want.push(format!(
+                    "vq_jobs_ended_total{{pool=\"{pool}\",outcome=\"{o}\",reason=\"{r}\"}} 0"
+                ));
+            }
+            for w in want {
+                assert!(text.lines().any(|l| l == w), "missing {w}:\n{text}");
+            }
+        }
+        // The alerts' series in particular.
+        for w in [
+            "vq_boot_failures_total{pool=\"cms\",reason=\"black-hole\"} 0",
+            "vq_servers_deleted_total{pool=\"cms\",reason=\"dead\"} 0",
+            "vq_jobs_dead_lettered_total{pool=\"atlas\",reason=\"rabbitmq-delivery-limit\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == w), "missing {w}:\n{text}");
+        }
+        // A count already made is kept by a second init.
+        m.boot_failures
+            .get_or_create(&Metrics::pool_and("cms", "reason", "create"))
+            .inc();
+        m.init_pool("cms");
+        assert!(m
+            .render()
+            .lines()
+            .any(|l| l == "vq_boot_failures_total{pool=\"cms\",reason=\"create\"} 1"));
+    }
+
+    #[test]
+    fn the_pre_created_reasons_are_every_reason_the_code_counts() {
+        use crate::plan::DeleteCause;
+        for c in [
+            DeleteCause::Agreed,
+            DeleteCause::Error,
+            DeleteCause::StuckBuild,
+            DeleteCause::BlackHole,
+            DeleteCause::Dead,
+        ] {
+            assert!(DELETE_REASONS.contains(&c.label()), "{c:?}");
+        }
+        for r in ["error", "stuck-build", "black-hole"] {
+            assert!(BOOT_FAILURE_REASONS.contains(&r));
+        }
+        for text in [
+            "dead-lettered by RabbitMQ: delivery_limit",
+            "dead-lettered by RabbitMQ: expired",
+            "dead-lettered by RabbitMQ: rejected",
+            "dead-lettered by RabbitMQ: maxlen",
+            "dead-lettered by RabbitMQ: something-new",
+            "node lost 3 times",
+            "refused by agent",
+        ] {
+            let r = failure_reason(text);
+            assert!(FAILURE_REASONS.contains(&r), "{text}: {r}");
+            assert!(DEAD_LETTER_REASONS.contains(&r), "{text}: {r}");
+        }
+        assert_eq!(FAILURE_REASONS.len(), 7);
+        for (i, r) in FAILURE_REASONS.iter().enumerate() {
+            assert_eq!(DEAD_LETTER_REASONS[i], *r);
+        }
     }
 }

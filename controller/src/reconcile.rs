@@ -781,7 +781,7 @@ pub async fn run(
             Some(Microversion::parse(s).ok_or_else(|| RunError::Microversion { value: s.into() })?)
         }
     };
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::for_pools(cfg.pools.keys().map(String::as_str)));
     let lock = Arc::new(Leadership::new(cfg.broker.clone(), &cfg.cluster));
     let cloud_tls_insecure = creds.tls.is_insecure();
     let cloud = HttpCloud::new(creds, microversion)
@@ -865,6 +865,7 @@ pub async fn run(
             status: ctl.status.clone(),
             metrics: ctl.metrics.clone(),
             jobs: crate::jobs::http::JobsApi { jobs, token },
+            started: ctl.started.into_std(),
         },
         http_stop.clone(),
     ));

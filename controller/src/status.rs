@@ -83,9 +83,11 @@ pub const DECISIONS_KEPT: usize = 20;
 pub struct StatusReport {
     /// Cluster name.
     pub cluster: String,
-    /// When this document was produced, Unix seconds.
+    /// When this document was served, Unix seconds (set per request by
+    /// [`crate::http::AppState::served_status`], whether or not any
+    /// observation succeeded).
     pub generated_at: f64,
-    /// Seconds since the controller started.
+    /// Seconds since the controller started, at the time of the request.
     pub uptime_secs: f64,
     /// Per pool, by name.
     pub pools: BTreeMap<String, PoolStatus>,
