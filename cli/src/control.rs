@@ -237,8 +237,11 @@ pub async fn run_cancel(
         .map_err(CliError::broker("connect to the broker"))?;
     let result = async {
         match ask_cancel(&conn, settings, job_id, timeout).await? {
-            Some(CancelAnswer::Withdrawn { job_id }) => {
-                println!("job {job_id} cancelled: it was queued and no agent will run it");
+            Some(CancelAnswer::Withdrawn { job_id, was }) => {
+                println!(
+                    "job {job_id} cancelled: it was {} and no agent will run it",
+                    crate::term::printable(&was)
+                );
                 Ok(0)
             }
             Some(CancelAnswer::Running { job_id, agent }) => {
@@ -368,7 +371,7 @@ async fn cancel_from_stream(
     let jobs = read_job_table(conn, &topo).await?;
     let job = find_job(&jobs, job_id)?;
     if matches!(job.state, State::Queued | State::Held) {
-        return Err(CliError::QueryRefused {
+        return Err(CliError::NeedsController {
             problem: format!(
                 "job {} is {}, and no controller listens on {} (key {}): a queued or held job is cancelled by the controller; start it, or cancel the job once it runs",
                 job.id,

@@ -200,6 +200,12 @@ pub enum CliError {
         /// The controller's words.
         reason: String,
     },
+    /// What was asked needs a controller, and none answers.
+    #[error("{problem}")]
+    NeedsController {
+        /// What and why, in words.
+        problem: String,
+    },
     /// The controller could not answer for good yet (its table is being
     /// rebuilt, the broker did not confirm): try again.
     #[error("the controller cannot answer now: {reason}")]
@@ -314,7 +320,8 @@ impl CliError {
             CliError::Controller { .. }
             | CliError::NoController { .. }
             | CliError::NoAnswer { .. }
-            | CliError::ControllerBusy { .. } => EXIT_UNAVAILABLE,
+            | CliError::ControllerBusy { .. }
+            | CliError::NeedsController { .. } => EXIT_UNAVAILABLE,
             CliError::Refused { .. } => EXIT_REFUSED,
             CliError::NotHere { .. } => EXIT_OTHER,
             CliError::QueryRefused { .. } => EXIT_OTHER,

@@ -257,6 +257,11 @@ async fn held_jobs_wait_are_released_cancelled_and_survive_a_controller_restart(
     let o = vq_as(sub, &cluster, &["cancel", &e])?;
     eprintln!("$ vq cancel E\n{}{}", text(&o.stdout), text(&o.stderr));
     ensure!(o.status.success(), "vq cancel {e}: {}", text(&o.stderr));
+    ensure!(
+        text(&o.stdout).contains("cancelled: it was held and no agent will run it"),
+        "{}",
+        text(&o.stdout)
+    );
     let r = stat_one(sub, &cluster, &e)?;
     ensure!(
         r["letter"] == "X"

@@ -62,6 +62,10 @@ pub enum CancelAnswer {
     Withdrawn {
         /// The job's full id.
         job_id: String,
+        /// What it was: `queued` or `held` ([`State::word`]; absent from
+        /// an older controller: queued).
+        #[serde(default = "queued_word")]
+        was: String,
     },
     /// The job runs on `agent`: send that agent a `Control::Cancel`
     /// (which it authorises by the requester's `user_id` itself).
@@ -128,6 +132,10 @@ impl CancelAnswer {
                 }
         )
     }
+}
+
+fn queued_word() -> String {
+    State::Queued.word().into()
 }
 
 impl Message for CancelRequest {

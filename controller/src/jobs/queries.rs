@@ -278,9 +278,10 @@ impl Answerer {
             .unwrap_or_else(|p| p.into_inner())
             .table
             .apply(&event, Some(&event.message_id()));
-        tracing::info!(job_id = %job.id, pool = %job.pool, by, "queued job withdrawn: no agent will run it");
+        tracing::info!(job_id = %job.id, pool = %job.pool, by, was = job.state.word(), "job withdrawn: no agent will run it");
         Ok(CancelAnswer::Withdrawn {
             job_id: job.id.clone(),
+            was: job.state.word().into(),
         })
     }
 }
