@@ -4,9 +4,13 @@
 //!
 //! The rule (seed: `VN = VT - VA`, counting VMs booting):
 //!
-//! * `VT = clamp(ceil((queued slots + running slots) / slots), min, max)`,
-//!   where a job counts its requested slots (`Job::slots`, from the job
-//!   table) and a queued message the table does not know counts 1;
+//! * `VT = clamp(ceil((queued slots + running slots - slots on draining
+//!   VMs) / slots), min, max)`, where a job counts its requested slots
+//!   (`Job::slots`, from the job table) and a queued message the table
+//!   does not know counts 1; jobs running on a draining agent
+//!   (operator-drained or `is_del`, not in `VA`) are served by that VM
+//!   until they end and ask for no new VM (counted at 1 slot per job, as
+//!   heartbeats name jobs, not slots);
 //! * `VA` = servers whose agent heartbeats and takes jobs (idle or busy);
 //! * `VB` = servers booting (BUILD, or up without a first heartbeat within
 //!   `boot_timeout_secs`), plus servers not judged yet because the
@@ -192,8 +196,11 @@ pub struct Plan {
     /// keeps the instant since which this holds without a break, and
     /// gives its age back as [`Observed::surplus_secs`].
     pub surplus: bool,
-    /// The first limit that cut the boots the rule wanted, for `/status`
-    /// (`obstacle`, `obstacle_kind`) and `vq_pool_obstacle`: `None` when
+    /// The limit that binds the boots the rule wanted, for `/status`
+    /// (`obstacle`, `obstacle_kind`) and `vq_pool_obstacle`: of `max`, the
+    /// quota and the cooldown, the one allowing the fewest boots (the
+    /// earlier on a tie: the quota is named only when `max` alone allowed
+    /// more), its "N allowed" the boots made; `None` when
     /// every wanted boot is made, or when only the boot gate or an unlisted
     /// server cut them (those are shown as the pool's state already).
     pub limited: Option<Limit>,
@@ -220,7 +227,8 @@ pub const LIMIT_COOLDOWN: &str = "boot-cooldown";
 /// page and `vq pools` (issue 13): `"quota exhausted: 10/10 instances"`,
 /// `"… 40/40 cores"`, `"… 20480/20480 MiB RAM"` when `remaining` (the
 /// instances this pool may still create, after the pools before it in the
-/// cycle) is 0, else `"quota nearly exhausted: 8/10 instances"`; `"quota
+/// cycle) is 0, else `"quota nearly exhausted: 8/10 instances"`, or
+/// `"quota allows 10 instances: 0/10 used"` when none is used; `"quota
 /// could not be read: …"` when the read failed. Instances used are counted
 /// as `limit - remaining`, so boots of earlier pools in the cycle are in
 /// it. Cores and RAM are named when they are used up (see
@@ -246,6 +254,10 @@ pub fn quota_words(quota: &crate::observe::QuotaView, remaining: u32) -> String 
                 );
             }
             match q.max_instances {
+                // Nothing used yet: the demand is above the whole quota.
+                Some(max) if remaining > 0 && remaining >= max => {
+                    format!("quota allows {max} instances: 0/{max} used")
+                }
                 Some(max) => format!(
                     "quota {}exhausted: {}/{max} instances",
                     if remaining == 0 { "" } else { "nearly " },
@@ -368,20 +380,34 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
     // would boot twice.
     let vb = count(&|c| matches!(c, Class::Booting | Class::Unknown)) + obs.unlisted_created;
     let slots = u64::from(pool.slots.max(1));
+    // Jobs running on draining agents (operator-drained or `is_del`) are
+    // served by those VMs until they end: they ask for no VM. Counted at
+    // 1 slot per job (heartbeats name jobs, not their slots), at most the
+    // running slots.
+    let running_slots = obs.running_slots.max(obs.running);
+    let on_draining = obs
+        .servers
+        .iter()
+        .zip(&classes)
+        .filter(|(_, c)| **c == Class::Draining)
+        .filter_map(|(s, _)| s.agent.as_ref())
+        .map(|a| u64::from(a.running))
+        .sum::<u64>()
+        .min(running_slots);
     // Slots, not jobs: a job of N slots needs N of a VM's `slots`.
     let demand = obs
         .queued_slots
         .max(obs.queued)
-        .saturating_add(obs.running_slots.max(obs.running));
+        .saturating_add(running_slots - on_draining);
     let wanted = demand.div_ceil(slots).min(u64::from(u32::MAX)) as u32;
     let vt = wanted.clamp(pool.min, pool.max.max(pool.min));
     let mut actions = Vec::new();
     let mut held = Vec::new();
-    let mut limited: Option<Limit> = None;
-    let mut limit = |kind: &'static str, reason: String| {
-        if limited.is_none() {
-            limited = Some(Limit { kind, reason });
-        }
+    // The limits that cut boots, with the boots each allows: the one
+    // allowing the fewest binds (the earliest on a tie).
+    let mut limits: Vec<(u32, Limit)> = Vec::new();
+    let mut limit = |kind: &'static str, allowed: u32, reason: String| {
+        limits.push((allowed, Limit { kind, reason }));
     };
 
     // Deletions of servers that are gone in all but name.
@@ -423,19 +449,24 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
     let vanishing = count(&|c| c == Class::Vanishing);
     let kept = obs.servers.len() as u32 - deleted - vanishing + obs.unlisted_created;
 
+    let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
     if wanted > vt {
         limit(
             LIMIT_MAX,
+            vn.max(0) as u32,
             format!(
                 "pool at max {}: {demand} job slots need {wanted} VMs at {slots} slots/VM",
                 pool.max
             ),
         );
     }
-    let vn = i64::from(vt) - i64::from(va) - i64::from(vb);
+    let draining_note = match on_draining {
+        0 => String::new(),
+        n => format!(", {n} of them on draining VMs"),
+    };
     let why = format!(
-        "target {vt} VMs for {} queued + {} running jobs ({} + {} slots) at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
-        obs.queued, obs.running, obs.queued_slots.max(obs.queued), obs.running_slots.max(obs.running), pool.slots, pool.min, pool.max
+        "target {vt} VMs for {} queued + {} running jobs ({} + {} slots{draining_note}) at {} slots/VM (min {}, max {}); {va} active, {vb} booting",
+        obs.queued, obs.running, obs.queued_slots.max(obs.queued), running_slots, pool.slots, pool.min, pool.max
     );
     if vn > 0 {
         let mut n = vn as u32;
@@ -447,6 +478,7 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
             ));
             limit(
                 LIMIT_MAX,
+                headroom,
                 format!(
                     "pool at max {}: {kept} servers, {n} more wanted, {headroom} allowed",
                     pool.max
@@ -461,8 +493,9 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 ));
                 limit(
                     LIMIT_QUOTA,
+                    q,
                     format!(
-                        "{}; {n} more VM(s) wanted, {q} allowed",
+                        "{}; {vn} more VM(s) wanted, {q} allowed",
                         quota_words(&obs.quota, q)
                     ),
                 );
@@ -483,6 +516,7 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
                 ));
                 limit(
                     LIMIT_COOLDOWN,
+                    0,
                     format!(
                         "last boot failed {since:.0} s ago: no boot for cooldown_secs {}",
                         pool.cooldown_secs
@@ -581,6 +615,11 @@ pub fn plan(obs: &Observed, pool: &PoolConfig, t: Timing) -> Plan {
             }
         }
     }
+    // Fewest boots allowed binds; `min_by_key` keeps the first of equals.
+    let limited = limits
+        .into_iter()
+        .min_by_key(|(allowed, _)| *allowed)
+        .map(|(_, l)| l);
     Plan {
         target: vt,
         active: va,

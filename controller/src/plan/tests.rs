@@ -262,16 +262,27 @@ fn a_full_quota_is_the_obstacle_in_words_with_its_figures() {
 }
 
 #[test]
-fn the_first_limit_that_cut_the_boots_is_named_and_none_when_all_are_made() {
-    // max 4 cuts first, then the quota.
+fn the_binding_limit_is_named_and_none_when_all_are_made() {
+    // max 4 cuts 10 to 4, the quota allows more: max binds.
     let mut o = obs(vec![], 10, 0);
-    o.quota_remaining = Some(2);
+    o.quota_remaining = Some(5);
     let p = plan(&o, &pool(0, 4, 1), T);
-    assert_eq!(boots(&p), 2);
+    assert_eq!(boots(&p), 4);
     let l = p.limited.expect("limited");
     assert_eq!(l.kind, LIMIT_MAX);
     assert!(
         l.reason.contains("pool at max 4: 10 job slots need 10 VMs"),
+        "{}",
+        l.reason
+    );
+    // max 4 cuts first, but the quota allows fewer: the quota binds.
+    o.quota_remaining = Some(2);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 2);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA);
+    assert!(
+        l.reason.ends_with("4 more VM(s) wanted, 2 allowed"),
         "{}",
         l.reason
     );
@@ -968,4 +979,135 @@ proptest! {
         // Never fewer VMs than counting each job as one slot.
         prop_assert!(boots(&pl) as u64 >= (queued + running).div_ceil(u64::from(slots)));
     }
+}
+
+fn draining(running: u32) -> AgentSeen {
+    AgentSeen {
+        state: AgentState::Draining,
+        drain_reason: Some("kernel update".into()),
+        ..agent(running, 0.0, 5.0)
+    }
+}
+
+/// Operator review, cloudsim `--quota-instances 2`, pool max 4, 1 slot/VM,
+/// case A: the quota binds, not max.
+#[test]
+fn a_full_quota_is_named_not_max_when_max_would_allow_more() {
+    use crate::observe::QuotaView;
+    let s = vec![
+        srv("a", NovaStatus::Active, 100.0, Some(agent(1, 0.0, 5.0))),
+        srv("b", NovaStatus::Active, 100.0, Some(agent(1, 0.0, 5.0))),
+    ];
+    let mut o = obs(s, 4, 2);
+    o.quota = QuotaView::Read(quota(2, 2));
+    o.quota_remaining = quota(2, 2).remaining();
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 0);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA);
+    assert_eq!(
+        l.reason,
+        "quota exhausted: 2/2 instances; 2 more VM(s) wanted, 0 allowed"
+    );
+}
+
+/// Case B: one VM drains; max allows 2 more, the quota none: the quota is
+/// named with the true 0 allowed; with quota for more than max allows,
+/// max is named with its figure.
+#[test]
+fn the_allowed_boots_named_are_those_after_all_limits() {
+    use crate::observe::QuotaView;
+    let s = vec![
+        srv("a", NovaStatus::Active, 100.0, Some(agent(1, 0.0, 5.0))),
+        srv("b", NovaStatus::Active, 100.0, Some(draining(1))),
+    ];
+    let mut o = obs(s, 4, 2);
+    o.quota = QuotaView::Read(quota(2, 2));
+    o.quota_remaining = Some(0);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 0);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA, "{}", l.reason);
+    assert!(
+        l.reason.ends_with("3 more VM(s) wanted, 0 allowed"),
+        "{}",
+        l.reason
+    );
+    o.quota_remaining = Some(1);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 1);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_QUOTA, "{}", l.reason);
+    assert!(l.reason.ends_with("1 allowed"), "{}", l.reason);
+    o.quota = QuotaView::Unknown;
+    o.quota_remaining = Some(5);
+    let p = plan(&o, &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 2);
+    let l = p.limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_MAX);
+    assert_eq!(
+        l.reason,
+        "pool at max 4: 2 servers, 3 more wanted, 2 allowed"
+    );
+    // At max and no quota left: max alone allows none, max is named.
+    let s = (0..4)
+        .map(|i| {
+            srv(
+                &format!("s{i}"),
+                NovaStatus::Active,
+                100.0,
+                Some(agent(1, 0.0, 5.0)),
+            )
+        })
+        .collect();
+    let mut o = obs(s, 3, 4);
+    o.quota_remaining = Some(0);
+    let l = plan(&o, &pool(0, 4, 1), T).limited.expect("limited");
+    assert_eq!(l.kind, LIMIT_MAX, "{}", l.reason);
+}
+
+#[test]
+fn a_quota_with_nothing_used_is_not_called_nearly_exhausted() {
+    use crate::observe::QuotaView;
+    let mut o = obs(vec![], 3, 0);
+    o.quota = QuotaView::Read(quota(2, 0));
+    o.quota_remaining = quota(2, 0).remaining();
+    let p = plan(&o, &pool(0, 10, 1), T);
+    assert_eq!(boots(&p), 2);
+    assert_eq!(
+        p.limited.expect("limited").reason,
+        "quota allows 2 instances: 0/2 used; 3 more VM(s) wanted, 2 allowed"
+    );
+}
+
+/// Draining a busy node with nothing queued boots no replacement: its job
+/// is served by the draining VM until it ends.
+#[test]
+fn draining_a_busy_agent_boots_no_replacement() {
+    let s = vec![srv("a", NovaStatus::Active, 100.0, Some(draining(1)))];
+    let p = plan(&obs(s.clone(), 0, 1), &pool(0, 4, 1), T);
+    assert_eq!(boots(&p), 0, "{:?}", p.actions);
+    assert_eq!(p.target, 0);
+    assert!(p.limited.is_none());
+    // Being deleted (`is_del`) is the same.
+    let mut d = agent(1, 0.0, 5.0);
+    d.is_del = true;
+    let p = plan(
+        &obs(vec![srv("a", NovaStatus::Active, 100.0, Some(d))], 0, 1),
+        &pool(0, 4, 1),
+        T,
+    );
+    assert_eq!(boots(&p), 0, "{:?}", p.actions);
+    // Queued jobs still get VMs; jobs of live agents still count.
+    let mut s2 = s;
+    s2.push(srv(
+        "b",
+        NovaStatus::Active,
+        100.0,
+        Some(agent(1, 0.0, 5.0)),
+    ));
+    let p = plan(&obs(s2, 2, 2), &pool(0, 4, 1), T);
+    assert_eq!(p.target, 3);
+    assert_eq!(boots(&p), 2, "{:?}", p.actions);
+    assert!(p.actions[0].reason().contains("1 of them on draining VMs"));
 }
