@@ -909,7 +909,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            dependency_answer("3f2a", "alice", Some(&[rec.clone()]), None),
+            dependency_answer("3f2a", "alice", Some(std::slice::from_ref(&rec)), None),
             DependencyCheck::Known("3f2a9c1e-5b7d.vq".into())
         );
         assert!(matches!(

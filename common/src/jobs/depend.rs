@@ -100,11 +100,18 @@ fn one(
 /// the [`Decision::Wait`] of another; the first of each, in order, gives
 /// the reason. An empty `depend` is [`Decision::Release`].
 pub fn decide(
+    job_id: &str,
     depend: &[Dependency],
     submitter: &str,
     table: &JobTable,
     unknown_after_grace: Option<u64>,
 ) -> Decision {
+    if let Some(path) = cycle(job_id, depend, submitter, table) {
+        return Decision::Never(format!(
+            "its dependencies can never be satisfied: they form a cycle ({})",
+            path.join(" → ")
+        ));
+    }
     let mut wait = None;
     for d in depend {
         for id in &d.jobs {
@@ -128,11 +135,61 @@ pub fn decide(
     }
 }
 
+/// Most held jobs a cycle search visits ([`cycle`]): a chain longer than
+/// this is not searched further (it waits, as any).
+const CYCLE_SEARCH_LIMIT: usize = 1000;
+
+/// The path `job_id → … → job_id` if job `job_id`'s dependencies `depend`
+/// lead back to it through held jobs of `submitter` (a job that depends on
+/// itself, or two that depend on each other): such a job would be held
+/// for ever. Depth-first over the held jobs' recorded dependencies
+/// ([`JobRequest::depend`](crate::messages::JobRequest)), at most
+/// [`CYCLE_SEARCH_LIMIT`] jobs.
+fn cycle(
+    job_id: &str,
+    depend: &[Dependency],
+    submitter: &str,
+    table: &JobTable,
+) -> Option<Vec<String>> {
+    fn ids(depend: &[Dependency]) -> impl Iterator<Item = &String> {
+        depend.iter().flat_map(|d| d.jobs.iter())
+    }
+    let mut seen = std::collections::HashSet::new();
+    // (job, its path from job_id)
+    let mut stack: Vec<(String, Vec<String>)> = ids(depend)
+        .map(|id| (id.clone(), vec![job_id.to_string()]))
+        .collect();
+    while let Some((id, path)) = stack.pop() {
+        let Ok(r) = table.find_by(&id, submitter) else {
+            continue;
+        };
+        let mut path = path;
+        path.push(r.id.clone());
+        if r.id == job_id {
+            return Some(path);
+        }
+        if r.state != State::Held || !seen.insert(r.id.clone()) || seen.len() > CYCLE_SEARCH_LIMIT {
+            continue;
+        }
+        if let Some(q) = &r.request {
+            for next in ids(&q.depend) {
+                stack.push((next.clone(), path.clone()));
+            }
+        }
+    }
+    None
+}
+
 /// The reason shown for a held job (`vq stat -s`, `-f`, `/jobs`): the
 /// [`Decision::Wait`] reason of [`decide`] without the grace rule, or what
 /// the controller is about to do.
-pub fn held_reason(depend: &[Dependency], submitter: &str, table: &JobTable) -> String {
-    match decide(depend, submitter, table, None) {
+pub fn held_reason(
+    job_id: &str,
+    depend: &[Dependency],
+    submitter: &str,
+    table: &JobTable,
+) -> String {
+    match decide(job_id, depend, submitter, table, None) {
         Decision::Wait(why) => why,
         Decision::Release => "held: dependencies satisfied, being released".into(),
         Decision::Never(why) => format!("held: {why} (being cancelled)"),
@@ -240,7 +297,7 @@ mod tests {
             (AfterAny, "f", 'R'),
         ];
         for (kind, job, want) in cases {
-            let got = match decide(&[dep(kind, &[job])], "alice", &t, Some(120)) {
+            let got = match decide("me", &[dep(kind, &[job])], "alice", &t, Some(120)) {
                 Decision::Wait(_) => 'W',
                 Decision::Release => 'R',
                 Decision::Never(_) => 'N',
@@ -254,27 +311,28 @@ mod tests {
         use DependKind::{AfterAny, AfterNotOk, AfterOk};
         let t = table();
         assert_eq!(
-            decide(&[dep(AfterOk, &["r"])], "alice", &t, None),
+            decide("me", &[dep(AfterOk, &["r"])], "alice", &t, None),
             Decision::Wait("held: afterok r not finished".into())
         );
         assert_eq!(
-            decide(&[dep(AfterOk, &["bad"])], "alice", &t, None),
+            decide("me", &[dep(AfterOk, &["bad"])], "alice", &t, None),
             Decision::Never("dependency afterok:bad can never be satisfied: bad exited 1".into())
         );
         assert_eq!(
-            decide(&[dep(AfterOk, &["f"])], "alice", &t, None),
+            decide("me", &[dep(AfterOk, &["f"])], "alice", &t, None),
             Decision::Never(
                 "dependency afterok:f can never be satisfied: f failed: node lost".into()
             )
         );
         assert_eq!(
-            decide(&[dep(AfterNotOk, &["ok"])], "alice", &t, None),
+            decide("me", &[dep(AfterNotOk, &["ok"])], "alice", &t, None),
             Decision::Never("dependency afternotok:ok can never be satisfied: ok exited 0".into())
         );
         // All must hold: one pending keeps it waiting, one never cancels it
         // even when another is still pending.
         assert_eq!(
             decide(
+                "me",
                 &[dep(AfterOk, &["ok", "q"]), dep(AfterAny, &["bad"])],
                 "alice",
                 &t,
@@ -284,6 +342,7 @@ mod tests {
         );
         assert_eq!(
             decide(
+                "me",
                 &[dep(AfterOk, &["ok"]), dep(AfterAny, &["bad", "x"])],
                 "alice",
                 &t,
@@ -292,10 +351,10 @@ mod tests {
             Decision::Release
         );
         assert!(matches!(
-            decide(&[dep(AfterAny, &["q"]), dep(AfterOk, &["x"])], "alice", &t, None),
+            decide("me", &[dep(AfterAny, &["q"]), dep(AfterOk, &["x"])], "alice", &t, None),
             Decision::Never(w) if w.contains("afterok:x") && w.contains("x was cancelled")
         ));
-        assert_eq!(decide(&[], "alice", &t, None), Decision::Release);
+        assert_eq!(decide("me", &[], "alice", &t, None), Decision::Release);
     }
 
     #[test]
@@ -303,7 +362,7 @@ mod tests {
         let t = table();
         // A unique prefix names its job; a shared one never can.
         assert_eq!(
-            decide(&[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
+            decide("me", &[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
             Decision::Release
         );
         let mut two = table();
@@ -312,24 +371,24 @@ mod tests {
             two.apply(&e, Some(&e.message_id()));
         }
         assert!(matches!(
-            decide(&[dep(DependKind::AfterAny, &["ab"])], "alice", &two, None),
+            decide("me", &[dep(DependKind::AfterAny, &["ab"])], "alice", &two, None),
             Decision::Never(w) if w.contains("ab names several jobs: ab1, ab2")
         ));
         let d = [dep(DependKind::AfterOk, &["nosuch"])];
         assert_eq!(
-            decide(&d, "alice", &t, None),
+            decide("me", &d, "alice", &t, None),
             Decision::Wait("held: afterok nosuch unknown (yet)".into())
         );
         assert!(matches!(
-            decide(&d, "alice", &t, Some(120)),
+            decide("me", &d, "alice", &t, Some(120)),
             Decision::Never(w) if w.contains("nosuch is not in the job table 120 s after submission")
         ));
         assert_eq!(
-            held_reason(&d, "alice", &t),
+            held_reason("me", &d, "alice", &t),
             "held: afterok nosuch unknown (yet)"
         );
         assert_eq!(
-            held_reason(&[dep(DependKind::AfterOk, &["r"])], "alice", &t),
+            held_reason("me", &[dep(DependKind::AfterOk, &["r"])], "alice", &t),
             "held: afterok r not finished"
         );
     }
@@ -357,23 +416,70 @@ mod tests {
             forged(id, finished(Outcome::Exited { code: 0 }));
         }
         assert_eq!(
-            decide(&[dep(DependKind::AfterOk, &["q"])], "alice", &t, None),
+            decide("me", &[dep(DependKind::AfterOk, &["q"])], "alice", &t, None),
             Decision::Wait("held: afterok q not finished".into()),
             "mallory's q is not alice's"
         );
         assert!(matches!(
-            decide(&[dep(DependKind::AfterOk, &["bad"])], "alice", &t, None),
+            decide("me", &[dep(DependKind::AfterOk, &["bad"])], "alice", &t, None),
             Decision::Never(w) if w.contains("bad exited 1")
         ));
         assert_eq!(
-            decide(&[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
+            decide("me", &[dep(DependKind::AfterOk, &["o"])], "alice", &t, None),
             Decision::Release,
             "mallory's ok2 does not make alice's prefix o ambiguous"
         );
         assert_eq!(
-            decide(&[dep(DependKind::AfterOk, &["q"])], "mallory", &t, None),
+            decide(
+                "me",
+                &[dep(DependKind::AfterOk, &["q"])],
+                "mallory",
+                &t,
+                None
+            ),
             Decision::Release,
             "mallory's own q"
+        );
+    }
+
+    /// A job that depends on itself, or held jobs that depend on each
+    /// other, can never run: cancelled with the cycle, not held for ever.
+    #[test]
+    fn a_dependency_cycle_is_never_satisfied() {
+        let mut t = table();
+        let held = |id: &str, on: &str| {
+            let mut e = ev(
+                id,
+                JobState::Held {
+                    request: JobRequest {
+                        depend: vec![dep(DependKind::AfterOk, &[on])],
+                        ..JobRequest::default()
+                    },
+                },
+            );
+            e.submission = Some(format!("s-{id}"));
+            e
+        };
+        for e in [
+            held("cyc-a", "cyc-b"),
+            held("cyc-b", "cyc-a"),
+            held("me", "me"),
+            held("w", "q"),
+        ] {
+            t.apply(&e, Some(&e.message_id()));
+        }
+        assert!(matches!(
+            decide("cyc-a", &[dep(DependKind::AfterOk, &["cyc-b"])], "alice", &t, None),
+            Decision::Never(w) if w.contains("cycle (cyc-a → cyc-b → cyc-a)")
+        ));
+        assert!(matches!(
+            decide("me", &[dep(DependKind::AfterAny, &["me"])], "alice", &t, None),
+            Decision::Never(w) if w.contains("cycle (me → me)")
+        ));
+        // A chain through a held job that waits on a queued one is no cycle.
+        assert_eq!(
+            decide("x2", &[dep(DependKind::AfterOk, &["w"])], "alice", &t, None),
+            Decision::Wait("held: afterok w not finished".into())
         );
     }
 }

@@ -57,6 +57,7 @@ impl JobsView {
             let depend = r.request.as_ref().map_or(&[][..], |q| &q.depend[..]);
             let submitter = r.submitter.as_deref().unwrap_or_default();
             r.reason = Some(vq_common::jobs::depend::held_reason(
+                &r.id,
                 depend,
                 submitter,
                 &self.table,

@@ -99,7 +99,7 @@ pub fn step(
     #[allow(clippy::cast_precision_loss)]
     let age = now - job.submitted_at as f64;
     let after_grace = (age >= grace_secs as f64).then_some(grace_secs);
-    match decide(&job.depend, submitter, table, after_grace) {
+    match decide(&job.id, &job.depend, submitter, table, after_grace) {
         Decision::Wait(why) => Step::Keep(why),
         Decision::Release => Step::Release,
         Decision::Never(why) => Step::Never(why),
