@@ -40,16 +40,17 @@ pub fn invoking_user() -> Result<InvokingUser, CliError> {
 }
 
 /// `text` made safe for a terminal: control characters (escape sequences,
-/// NUL, newlines) are shown as `\u{..}` escapes. Job ids, names and owners
+/// NUL, newlines) and bidirectional overrides
+/// ([`vq_common::text::must_escape`]) are shown as `\u{..}` escapes. Job ids, names and owners
 /// come from other users' messages; printing them raw would let one user
 /// drive another's (or root's) terminal.
 pub fn printable(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
+    if !text.chars().any(vq_common::text::must_escape) {
         return text.to_string();
     }
     text.chars()
         .map(|c| {
-            if c.is_control() {
+            if vq_common::text::must_escape(c) {
                 c.escape_unicode().to_string()
             } else {
                 c.to_string()
@@ -77,6 +78,7 @@ mod tests {
     fn control_characters_are_escaped_for_the_terminal() {
         assert_eq!(printable("plain-name_1.x"), "plain-name_1.x");
         assert_eq!(printable("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\u{a}");
+        assert_eq!(printable("vq-\u{202e}1-sm"), "vq-\\u{202e}1-sm");
     }
 
     #[test]

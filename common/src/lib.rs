@@ -37,6 +37,7 @@ pub mod lease;
 pub mod messages;
 pub mod pbs;
 pub mod pools;
+pub mod text;
 pub mod tls;
 pub mod topology;
 

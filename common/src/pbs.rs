@@ -523,7 +523,13 @@ pub fn parse_depend(value: &str) -> Result<Vec<Dependency>, PbsError> {
                 )))
             }
         };
-        let jobs: Vec<String> = parts.map(str::to_string).collect();
+        // A repeated id adds nothing (Torque's lists are sets).
+        let mut jobs: Vec<String> = Vec::new();
+        for id in parts {
+            if !jobs.iter().any(|j| j == id) {
+                jobs.push(id.to_string());
+            }
+        }
         if jobs.is_empty() {
             return Err(bad(format!(
                 "{word} names no job (expected {word}:ID[:ID...])"
@@ -545,8 +551,19 @@ pub fn parse_depend(value: &str) -> Result<Vec<Dependency>, PbsError> {
         }
         out.push(Dependency { kind, jobs });
     }
+    let n: usize = out.iter().map(|d| d.jobs.len()).sum();
+    if n > MAX_DEPENDENCIES {
+        return Err(bad(format!(
+            "{n} job ids (at most {MAX_DEPENDENCIES}: a job waits on a bounded set; chain a job that waits on the rest)"
+        )));
+    }
     Ok(out)
 }
+
+/// Most job ids one `-W depend=` may name (after removing repeats): each is
+/// looked up in the job table whenever the table changes, and kept in the
+/// job's record.
+pub const MAX_DEPENDENCIES: usize = 1000;
 
 fn parse_umask(val: &str) -> Result<u32, PbsError> {
     let digits = val.strip_prefix("0o").unwrap_or(val);

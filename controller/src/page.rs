@@ -31,11 +31,17 @@ pub const REFRESH_SECS: u32 = 10;
 pub const DECISIONS_SHOWN: usize = 30;
 
 /// Escapes `s` for HTML text and double- or single-quoted attribute
-/// values: `&`, `<`, `>`, `"` and `'` become character references.
+/// values: `&`, `<`, `>`, `"` and `'` become character references, and
+/// control characters other than tab and newline, and bidirectional
+/// overrides ([`vq_common::text::must_escape`]), are shown as `\u{..}`
+/// (a page fetched with `curl` in a terminal must not drive it, and one
+/// user's server name or drain reason must not reorder the row).
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
+            '\t' | '\n' => out.push(c),
+            c if vq_common::text::must_escape(c) => out.push_str(&c.escape_unicode().to_string()),
             '&' => out.push_str("&amp;"),
             '<' => out.push_str("&lt;"),
             '>' => out.push_str("&gt;"),
@@ -492,6 +498,11 @@ mod tests {
             "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
         );
         assert_eq!(escape("plain ü"), "plain ü");
+        assert_eq!(
+            escape("a\u{1b}[2J\u{7}b\u{202e}c"),
+            "a\\u{1b}[2J\\u{7}b\\u{202e}c"
+        );
+        assert_eq!(escape("line\nnext"), "line\nnext");
     }
 
     #[test]

@@ -554,6 +554,52 @@ async fn an_unknown_dependency_is_cancelled_after_the_grace_and_afternotok_relea
         dead.contains(&g.id) && dead.contains(&l.id) && !dead.contains(&k.id),
         "{dead:?}"
     );
+
+    // A held message that is no job is dead-lettered with its reason
+    // (x-vq-reason), not dropped, and the held consumer goes on.
+    let cfg = vq_common::config::BrokerConfig {
+        url: shared_broker()?.url_of(sub),
+        ..Default::default()
+    };
+    let conn = amqp::connect(&cfg, "cli_depend bad held").await?;
+    let ch = amqp::confirm_channel(&conn).await?;
+    amqp::publish_confirmed(
+        &ch,
+        &broker.topo.held_exchange(),
+        POOL,
+        b"not a job",
+        lapin::BasicProperties::default().with_user_id(sub.user.as_str().into()),
+        true,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let _ = conn.close(200, "bye".into()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let letter = loop {
+        if let Some(d) = broker
+            .take_dead()
+            .await?
+            .into_iter()
+            .find(|d| d.body == b"not a job")
+        {
+            break d;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the bad held message never reached the dead-letter queue"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let reason = letter
+        .headers
+        .get("x-vq-reason")
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        reason.starts_with("held message refused: "),
+        "{:?}",
+        letter.headers
+    );
     broker.cleanup().await;
     Ok(())
 }

@@ -405,6 +405,19 @@ fn dependencies_parse_as_torque_writes_them() {
         parse_depend("afterok:1:2,afterany:3").unwrap()[0].to_string(),
         "afterok:1:2"
     );
+    // Repeats add nothing; the list is bounded.
+    let many = format!("afterok{}", ":7".repeat(2000));
+    assert_eq!(
+        parse_depend(&many).unwrap(),
+        [dep(DependKind::AfterOk, &["7"])]
+    );
+    let ids: String = (0..=super::MAX_DEPENDENCIES)
+        .map(|i| format!(":{i}"))
+        .collect();
+    let err = parse_depend(&format!("afterany{ids}"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("1001 job ids (at most 1000"), "{err}");
     for (bad, says) in [
         ("afterok", "names no job"),
         ("afterok:", "empty job id"),

@@ -172,7 +172,7 @@ impl Holder {
 
     /// Decodes a delivery; an undecodable one, or one without a
     /// broker-validated `user_id` (no submitter to judge it by), is
-    /// rejected without requeue: RabbitMQ dead-letters it and the
+    /// dead-lettered with its reason (`x-vq-reason`) and acked; the
     /// dead-letter watch publishes its `failed` event.
     async fn take(&self, d: Delivery) -> Option<Held> {
         let job = Job::decode(&d.data);
@@ -188,22 +188,46 @@ impl Holder {
                     submission,
                 })
             }
-            (job, _) => {
-                tracing::warn!(
-                    error = job
-                        .as_ref()
-                        .err()
-                        .map(ToString::to_string)
-                        .unwrap_or_else(|| "no user_id".into()),
-                    "held message refused: dead-lettered"
+            (job, submitter) => {
+                let why = match &job {
+                    Err(e) => format!("held message refused: {}", vq_common::error::chain(e)),
+                    Ok(_) => "held message refused: it carries no user_id (publish it with the user_id property set to your broker user, which the broker checks)".to_string(),
+                };
+                tracing::warn!(reason = %why, "held message refused: dead-lettered");
+                // Dead-lettered with its reason, as the agents' refusals
+                // are; a nack (RabbitMQ's own dead-lettering) would carry
+                // none, and is the fallback when that publish fails.
+                let props = envelope::dead_letter_properties(
+                    &d.properties,
+                    &why,
+                    envelope::CONTROLLER_DEAD_BY,
+                    submitter.as_deref(),
                 );
-                let _ = d
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: false,
-                        ..Default::default()
-                    })
-                    .await;
+                let published = amqp::publish_confirmed(
+                    &self.publish,
+                    &self.topo.dead_exchange(),
+                    d.routing_key.as_str(),
+                    &d.data,
+                    props,
+                    false,
+                    self.confirm,
+                )
+                .await;
+                let settled = match published {
+                    Ok(()) => d.acker.ack(BasicAckOptions::default()).await,
+                    Err(e) => {
+                        tracing::warn!(error = %vq_common::error::chain(&e), "cannot dead-letter a refused held message with its reason; rejected instead");
+                        d.acker
+                            .nack(BasicNackOptions {
+                                requeue: false,
+                                ..Default::default()
+                            })
+                            .await
+                    }
+                };
+                if let Err(e) = settled {
+                    tracing::warn!(error = %e, "cannot settle a refused held message; the broker redelivers it");
+                }
                 None
             }
         }
